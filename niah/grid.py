@@ -1,0 +1,154 @@
+"""Run a needle grid: (prompt style, length, depth, trial) cells x KV methods, resumable, one row per pair.
+
+Work that need not be repeated is not: a cell is prefilled once for all its KV methods, and since
+attention is causal the cache of the haystack before the first needle is shared by every cell.  Cells run
+in order of that shared prefix; the prefix cache only grows, and each cell's own tokens are cropped off
+again afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import env
+from .haystack import haystack_text, tokenize_haystack
+from .kv.registry import get_method
+from .needles import NeedleSpec, make_trial
+from .prompts import CellPrompt, build_cell
+from .protocol import compare_logits, context_kv, prefill, run_method
+from .results import ResultsTable
+from .scoring import string_match_all
+
+KEY = ("config", "model", "prompt_style", "length", "depth", "trial", "method")
+
+
+@dataclass(frozen=True)
+class Cell:
+    style: str
+    length: int
+    depth: float
+    trial: int
+
+
+def cells(cfg: dict) -> list[Cell]:
+    n = cfg["niah"]
+    return [Cell(s, L, float(d), t) for s in n["prompt_styles"] for L in n["lengths"] for d in n["depths"] for t in range(n["trials"])]
+
+
+def results_path(cfg: dict, root: Path | None = None) -> Path:
+    return (root or env.ROOT / "papermill_runs" / cfg["name"]) / "niah_results.jsonl"
+
+
+def trial_rng(cfg: dict, cell: Cell) -> random.Random:
+    """The seeded generator of one trial: same keys and values for every method, style and rerun."""
+    return random.Random(f"{cfg['seed']}/{cell.length}/{cell.depth}/{cell.trial}")
+
+
+def _base_row(cfg, model_name, cell: Cell, method: str) -> dict:
+    return {
+        "config": cfg["name"], "config_hash": cfg["hash"], "model": model_name, "prompt_style": cell.style,
+        "length": cell.length, "depth": cell.depth, "trial": cell.trial, "method": method, "seed": cfg["seed"],
+        "needle_kind": cfg["niah"]["needle"]["kind"], "needle_variant": cfg["niah"]["needle"]["variant"],
+        "git_commit": env.git_commit(), "versions": env.versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def _too_long_reason(cfg, loaded, cell_tokens: int) -> str | None:
+    limit = loaded.max_context
+    if cell_tokens <= limit:
+        return None
+    hint = "" if limit > loaded.native_context else " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
+    return f"context of {cell_tokens} tokens (with question and answer) exceeds the model's limit of {limit} tokens.{hint}"
+
+
+def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = True) -> Path:
+    """Run every missing (cell, method) row of ``cfg`` with the loaded model; return the table's path."""
+    out_path = out_path or results_path(cfg)
+    table = ResultsTable(out_path, KEY)
+    n = cfg["niah"]
+    methods = {m: get_method(m) for m in n["methods"]}
+    for m in methods.values():
+        m.check_head_dim(loaded.head_dim)
+
+    def missing(cell):
+        return [m for m in methods if table.key(_base_row(cfg, loaded.name, cell, m)) not in table.done]
+
+    todo = [c for c in cells(cfg) if missing(c)]
+    if not todo:
+        return out_path
+    torch.set_num_threads(cfg["threads"])
+    hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), loaded.tokenizer, max(n["lengths"]))
+    spec = NeedleSpec(**n["needle"])
+    prompts = {c: build_cell(loaded.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(cfg, c)), c.style) for c in todo}
+    bar = tqdm(total=sum(len(missing(c)) for c in todo), desc=f"needle grid [{cfg['name']}]", unit="row", disable=not progress)
+    for style in n["prompt_styles"]:
+        base, base_ids = None, []
+        for cell in sorted((c for c in todo if c.style == style), key=lambda c: (prompts[c].shared_prefix, c.length, c.depth, c.trial)):
+            p = prompts[cell]
+            todo_methods = missing(cell)
+            reason = _too_long_reason(cfg, loaded, len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"]))
+            if reason:
+                for m in todo_methods:
+                    table.append({**_base_row(cfg, loaded.name, cell, m), "status": "too_long", "reason": reason})
+                bar.update(len(todo_methods))
+                continue
+            try:
+                base, base_ids = _extend_shared(loaded.model, base, base_ids, p, n["prefill_chunk"])
+                rows = _run_cell(cfg, loaded, base, len(base_ids), p, methods, todo_methods, cell)
+            except (torch.OutOfMemoryError, MemoryError) as err:
+                rows = [{**_base_row(cfg, loaded.name, cell, m), "status": "oom", "reason": str(err)[:300]} for m in todo_methods]
+                base, base_ids = None, []
+            for row in rows:
+                table.append(row)
+            bar.update(len(todo_methods))
+    bar.close()
+    return out_path
+
+
+def _extend_shared(model, base, base_ids, p: CellPrompt, chunk: int):
+    """Grow the shared-prefix cache to this cell's shared prefix (restart it if it is not a prefix)."""
+    want = p.prefill_ids[: p.shared_prefix]
+    if base is None or want[: len(base_ids)] != base_ids or any(getattr(layer, "is_sliding", False) for layer in base.layers):
+        base, base_ids = None, []
+    base = prefill(model, want[len(base_ids) :], base, chunk)
+    return base, want
+
+
+def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_methods, cell: Cell) -> list[dict]:
+    """Prefill the cell's own tokens on top of the shared cache, run the methods, crop back."""
+    n = cfg["niah"]
+    t0 = time.perf_counter()
+    prefill(loaded.model, p.prefill_ids[shared:], base, n["prefill_chunk"])
+    prefill_s = time.perf_counter() - t0
+    try:
+        kv = context_kv(base)
+        ref_name = n["reference"]
+        order = [ref_name] + [m for m in todo_methods if m != ref_name]
+        answers, rows = {}, []
+        for name in order:
+            ans, stored, quantize_s = run_method(loaded.model, loaded.tokenizer, kv, methods[name], p.question_ids, p.answer_ids, n["max_new_tokens"])
+            answers[name] = ans
+            if name not in todo_methods:
+                continue
+            kl, top1 = compare_logits(answers[ref_name].answer_logsoftmax, ans.answer_logsoftmax)
+            values = len(p.prefill_ids) * kv[0][0].shape[1] * kv[0][0].shape[3] * 2 * len(kv)
+            rows.append({
+                **_base_row(cfg, loaded.name, cell, name), "status": "ok", "reason": "",
+                "context_tokens": len(p.prefill_ids), "needle_position": p.needle_at / len(p.prefill_ids),
+                "expected": p.expected, "generated": ans.text, "score": string_match_all(ans.text, p.expected),
+                "answer_logprob": ans.answer_logprob, "answer_tokens": len(p.answer_ids), "kl_vs_ref": kl, "top1_vs_ref": top1,
+                "kv_bytes": stored["total"], "kv_bytes_packed": stored["packed"], "kv_bytes_residual": stored["residual"],
+                "bits_per_value": 8 * stored["total"] / values, "analytical_bits": methods[name].analytical_bits(loaded.head_dim),
+                "prefill_s": prefill_s, "shared_prefix_tokens": shared, "quantize_s": quantize_s,
+                "question_s": ans.question_s, "decode_s_per_token": ans.decode_s_per_token,
+            })
+        return rows
+    finally:
+        if len(p.prefill_ids) > shared:
+            base.crop(shared - len(p.prefill_ids))

@@ -1,0 +1,89 @@
+"""The extension point for KV-cache methods.
+
+A KV quantizer turns a block of keys or values, ``x: (batch, kv_heads, tokens, head_dim)``,
+into a :class:`Packed` object that holds *only* the tensors a cache would really keep
+(packed integer codes, scales, zero points, norms, sign bits), and back.
+
+Storage is measured, not declared: :meth:`Packed.nbytes` sums the stored tensors, and
+``bits_per_value`` divides that by the number of values.  ``analytical_bits`` is the
+formula figure that the measured one is checked against.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Packed:
+    """The stored form of one block of keys or values.
+
+    ``tensors``: everything the cache keeps for this block (e.g. ``codes: uint8``, ``scales: fp16``).
+    ``shape``: the original ``(batch, kv_heads, tokens, head_dim)``.
+    ``dtype``: the dtype that ``dequantize`` returns.
+    ``meta``: small python values needed to decode (no tensors, not counted as storage).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    meta: dict = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes of all stored tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class KVQuantizer(ABC):
+    """One way of storing keys or values.
+
+    Subclasses are small dataclasses.  Class attributes that the cache reads:
+
+    ``residual``: the newest tokens kept in full precision (KIVI keeps 128); 0 means every token is
+    quantized as soon as it is stored, as llama.cpp does.
+    ``token_group``: tokens that must be quantized together (KIVI's per-channel keys need 32).
+    """
+
+    name: str = "base"
+    residual: int = 0
+    token_group: int = 1
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor) -> Packed:
+        """``x: (batch, kv_heads, tokens, head_dim)`` -> stored form."""
+
+    @abstractmethod
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        """Stored form -> ``(batch, kv_heads, tokens, head_dim)`` in ``p.dtype``."""
+
+    @abstractmethod
+    def analytical_bits(self, head_dim: int) -> float:
+        """Bits per value from the format's definition (codes plus per-block metadata)."""
+
+    def for_layer(self, layer_idx: int) -> "KVQuantizer":
+        """The quantizer used in decoder layer ``layer_idx`` (TurboQuant seeds a rotation per layer)."""
+        return self
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ``ValueError`` naming the problem if this method cannot take ``head_dim``."""
+
+    @staticmethod
+    def bits_per_value(p: Packed) -> float:
+        """Measured bits per value: 8 * stored bytes / number of values."""
+        return 8.0 * p.nbytes() / p.numel
+
+
+def check_kv_shape(x: torch.Tensor) -> None:
+    """Raise a clear error unless ``x`` is ``(batch, kv_heads, tokens, head_dim)`` floating point."""
+    if x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(
+            f"KV quantizers take a floating tensor of shape (batch, kv_heads, tokens, head_dim); got {tuple(x.shape)} {x.dtype}"
+        )

@@ -1,0 +1,127 @@
+"""A transformers ``Cache`` that keeps only packed tensors plus a full-precision residual window.
+
+Each layer holds ``chunks``: a list of (packed keys, packed values) blocks, and ``res_k, res_v``: the newest
+tokens in full precision, ``(batch, kv_heads, tokens, head_dim)``.  Whenever the residual grows past
+``method.residual + method.token_group`` tokens, its oldest whole groups are quantized into a new chunk.
+With ``residual = 0`` and ``token_group = 1`` (q8_0, q4_0, fp8...) every token is quantized as soon as it is
+stored, as llama.cpp does, so even the question's own tokens are read back quantized.
+
+Reading a layer dequantizes its chunks.  ``keep_dequantized=True`` memoizes the dequantized chunks
+(the numbers are identical; quality runs use it for speed); it is *not* storage, and :meth:`nbytes`
+never counts it.  The decode-speed benchmark runs with ``keep_dequantized=False``: every step
+dequantizes the whole stored cache, the real decode path.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .registry import KVMethod
+
+
+class PackedLayer(CacheLayerMixin):
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True):
+        super().__init__()
+        self.method = method
+        self.kq = method.key.for_layer(layer_idx)
+        self.vq = method.value.for_layer(layer_idx)
+        self.keep_dequantized = keep_dequantized
+        self.chunks: list = []
+        self.res_k = self.res_v = None
+        self._deq: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._deq_chunks = 0
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device = key_states.device
+        self.res_k = key_states[..., :0, :]
+        self.res_v = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def clone(self) -> "PackedLayer":
+        """A copy that shares the (immutable) packed chunks and residual tensors."""
+        other = PackedLayer.__new__(PackedLayer)
+        other.__dict__.update(self.__dict__)
+        other.chunks = list(self.chunks)
+        return other
+
+    def _flush(self) -> None:
+        group, keep = self.method.token_group, self.method.residual
+        n = self.res_k.shape[-2] - keep
+        n -= n % group
+        if n <= 0:
+            return
+        self.chunks.append((self.kq.quantize(self.res_k[..., :n, :]), self.vq.quantize(self.res_v[..., :n, :])))
+        self.res_k, self.res_v = self.res_k[..., n:, :].contiguous(), self.res_v[..., n:, :].contiguous()
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self._deq_chunks if self.keep_dequantized and self._deq is not None else 0
+        new = self.chunks[start:]
+        ks = [self.kq.dequantize(k) for k, _ in new]
+        vs = [self.vq.dequantize(v) for _, v in new]
+        if start:
+            ks.insert(0, self._deq[0])
+            vs.insert(0, self._deq[1])
+        if not ks:
+            return self.res_k[..., :0, :], self.res_v[..., :0, :]
+        deq = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        if self.keep_dequantized:
+            self._deq, self._deq_chunks = deq, len(self.chunks)
+        return deq
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.res_k = torch.cat([self.res_k, key_states], dim=-2)
+        self.res_v = torch.cat([self.res_v, value_states], dim=-2)
+        self._flush()
+        dk, dv = self._dequantized()
+        return torch.cat([dk, self.res_k], dim=-2), torch.cat([dv, self.res_v], dim=-2)
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(k.shape[2] for k, _ in self.chunks) + self.res_k.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> tuple[int, int]:
+        """(packed bytes, full-precision residual bytes) that this layer stores."""
+        packed = sum(k.nbytes() + v.nbytes() for k, v in self.chunks)
+        res = 0 if self.res_k is None else self.res_k.numel() * self.res_k.element_size() * 2
+        return packed, res
+
+
+class PackedCache(Cache):
+    """One :class:`PackedLayer` per decoder layer."""
+
+    def __init__(self, method: KVMethod, num_layers: int, keep_dequantized: bool = True):
+        super().__init__(layers=[PackedLayer(method, i, keep_dequantized) for i in range(num_layers)])
+        self.method = method
+
+    @classmethod
+    def from_kv(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], method: KVMethod, keep_dequantized: bool = True) -> "PackedCache":
+        """Store a prefilled context (per layer ``(keys, values)``, each ``(batch, kv_heads, tokens, head_dim)``)."""
+        cache = cls(method, len(kv), keep_dequantized)
+        for layer, (k, v) in zip(cache.layers, kv):
+            layer.update(k, v)
+        return cache
+
+    def clone(self) -> "PackedCache":
+        other = PackedCache.__new__(PackedCache)
+        other.__dict__.update(self.__dict__)
+        other.layers = [layer.clone() for layer in self.layers]
+        return other
+
+    def nbytes(self) -> dict[str, int]:
+        """Stored bytes summed over layers: ``packed``, ``residual`` (full precision) and ``total``."""
+        packed = sum(layer.nbytes()[0] for layer in self.layers)
+        res = sum(layer.nbytes()[1] for layer in self.layers)
+        return {"packed": packed, "residual": res, "total": packed + res}

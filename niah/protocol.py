@@ -1,0 +1,88 @@
+"""The measurement protocol: prefill the context once, then ask over a (possibly quantized) cache.
+
+1. :func:`prefill` runs the context through the decoder only (no LM head), in chunks, into a
+   ``DynamicCache``.  The same prefill serves every KV method of a cell (paired comparisons).
+2. A KV method stores that context in a :class:`~niah.kv.cache.PackedCache`.
+3. :func:`ask` runs the question over the packed cache, so every question and answer token reads the
+   quantized context (no "prefill gap"), then
+   * teacher-forces the expected answer: its log-probability and the per-position log-softmax
+     (for KL and top-1 agreement against the reference method), and
+   * decodes greedily for the scored text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .kv.cache import PackedCache
+from .kv.registry import KVMethod
+
+
+@torch.no_grad()
+def prefill(model, ids: list[int], cache: DynamicCache | None = None, chunk: int = 1024) -> DynamicCache:
+    """Append ``ids`` to ``cache`` (a new one if None) through the decoder, ``chunk`` tokens at a time."""
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    for i in range(0, len(ids), chunk):
+        piece = torch.tensor([ids[i : i + chunk]], device=device)
+        model.base_model(input_ids=piece, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def context_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values)``, each ``(batch, kv_heads, tokens, head_dim)``."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@dataclass
+class Answer:
+    text: str
+    answer_logprob: float  # sum over the expected answer's tokens, teacher-forced
+    answer_logsoftmax: torch.Tensor  # (answer_tokens, vocab) log-probabilities at each answer position
+    decode_s_per_token: float
+    question_s: float
+
+
+@torch.no_grad()
+def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_ids: list[int], max_new_tokens: int) -> Answer:
+    """Question pass over ``cache`` (mutated), teacher-forced answer and greedy generation."""
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    out = model(input_ids=torch.tensor([question_ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    question_s = time.perf_counter() - t0
+
+    forced = model(input_ids=torch.tensor([answer_ids], device=device), past_key_values=cache.clone(), use_cache=True)
+    logits = torch.cat([out.logits[0, -1:], forced.logits[0, :-1]]).float()
+    logsm = torch.log_softmax(logits, dim=-1)
+    answer_logprob = logsm.gather(1, torch.tensor(answer_ids, device=device)[:, None]).sum().item()
+
+    generated = [int(out.logits[0, -1].argmax())]
+    t1 = time.perf_counter()
+    while len(generated) < max_new_tokens and generated[-1] != tokenizer.eos_token_id:
+        if "\n" in tokenizer.decode(generated).strip(" "):
+            break
+        step = model(input_ids=torch.tensor([[generated[-1]]], device=device), past_key_values=cache, use_cache=True)
+        generated.append(int(step.logits[0, -1].argmax()))
+    decode_s = (time.perf_counter() - t1) / max(len(generated) - 1, 1)
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    return Answer(text, answer_logprob, logsm.cpu(), decode_s, question_s)
+
+
+def compare_logits(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(ref || other), mean top-1 agreement) over positions; inputs are ``(positions, vocab)`` log-softmax."""
+    kl = (ref.exp() * (ref - other)).sum(-1).mean().item()
+    top1 = (ref.argmax(-1) == other.argmax(-1)).float().mean().item()
+    return max(kl, 0.0), top1
+
+
+def run_method(model, tokenizer, kv, method: KVMethod, question_ids, answer_ids, max_new_tokens) -> tuple[Answer, dict, float]:
+    """Store the context ``kv`` with ``method`` and ask; returns (answer, stored bytes, quantize seconds)."""
+    t0 = time.perf_counter()
+    cache = PackedCache.from_kv(kv, method)
+    quantize_s = time.perf_counter() - t0
+    stored = cache.nbytes()
+    return ask(model, tokenizer, cache, question_ids, answer_ids, max_new_tokens), stored, quantize_s
