@@ -88,9 +88,7 @@ def _assembled_file(package: str) -> Path:
 
 def _verified_gguf(spec: dict) -> Path:
     path = _assembled_file(spec["package"]) if spec["source"] == "assembled" else _package_file(spec["package"], spec["file"])
-    want = spec.get("sha256")
-    if not want:
-        raise ModelUnavailable(f"model spec for {path.name} has no sha256: every shipped weight file must be verified")
+    want = spec["sha256"]
     stamp = path.with_name(path.name + ".sha256-ok")
     if not (stamp.exists() and stamp.read_text() == f"{want} {path.stat().st_size}"):
         got = sha256_of(path)
@@ -107,6 +105,8 @@ def _converted_folder(spec: dict) -> Path:
     """Convert a shipped GGUF to a safetensors folder once; return the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not spec.get("sha256"):
+        raise ModelUnavailable(f"model spec for package {spec['package']!r} has no sha256: every shipped weight file must be verified; add it to the config")
     folder = cache_dir() / "models" / f"{spec['package']}-{spec['sha256'][:12]}"
     if (folder / "model.safetensors").exists():
         return folder

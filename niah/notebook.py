@@ -1,0 +1,81 @@
+"""Small helpers that keep notebook cells to a few lines."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from .config import ROOT, load_config
+
+
+def setup(config: str, run_dir: str | None = None, figures_dir: str | None = None) -> tuple[dict, Path, Path]:
+    """Load the config; resolve (and create) the run and figure folders."""
+    cfg = load_config(config)
+    runs = Path(run_dir) if run_dir else ROOT / "papermill_runs" / cfg["name"]
+    figs = Path(figures_dir) if figures_dir else ROOT / "figures" / cfg["name"]
+    runs.mkdir(parents=True, exist_ok=True)
+    figs.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    return cfg, runs, figs
+
+
+def load(cfg: dict):
+    from .models import load_model
+
+    return load_model(cfg["model"], device=cfg["device"])
+
+
+def save_json(obj, path: Path) -> None:
+    """Write JSON atomically (a kill never leaves half a file)."""
+    tmp = Path(str(path) + ".partial")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def show_record(record: dict) -> pd.DataFrame:
+    """An environment record as a two-column table."""
+    flat = {k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in record.items()}
+    return pd.DataFrame({"value": flat})
+
+
+def model_card(lm, cfg: dict) -> pd.DataFrame:
+    """Architecture facts that set the KV-cache size, and that size per token."""
+    c = lm.model.config
+    layers, kv_heads = c.num_hidden_layers, getattr(c, "num_key_value_heads", c.num_attention_heads)
+    per_token = 2 * layers * kv_heads * lm.head_dim * 2  # keys and values, fp16
+    facts = {
+        "model": lm.name, "random weights": lm.is_random, "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "decoder layers": layers, "query heads": c.num_attention_heads, "KV heads": kv_heads, "head dim": lm.head_dim,
+        "trained context (tokens)": lm.native_context, "allowed context (tokens)": lm.max_context,
+        "RoPE scaling": json.dumps(cfg["model"].get("rope_scaling")), "fp16 KV bytes per token": per_token,
+        "fp16 KV MiB at the longest length": round(per_token * max(cfg["niah"]["lengths"]) / 2**20, 1),
+    }
+    return pd.DataFrame({"value": facts})
+
+
+def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
+    """One accuracy heatmap per method, with a difference-from-reference panel for the others; saved as PNG and SVG."""
+    import matplotlib.pyplot as plt
+
+    from .plots import needle_heatmap, save
+
+    ref = cfg["niah"]["reference"]
+    paths = []
+    for style in sorted(df["prompt_style"].unique()):
+        part = df[df["prompt_style"] == style]
+        for method in [m for m in cfg["niah"]["methods"] if m in set(part["method"])]:
+            panels = 1 if method == ref else 2
+            fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 4.2), squeeze=False)
+            needle_heatmap(part, method, axes[0][0], title=f"{method} ({style} prompt), {cfg['name']}")
+            if panels == 2:
+                needle_heatmap(part, method, axes[0][1], diff_from=ref)
+            fig.tight_layout()
+            paths += save(fig, figures_dir, f"heatmap_{style}_{method}")
+            plt.show()
+            plt.close(fig)
+    return paths

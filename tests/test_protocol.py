@@ -1,0 +1,75 @@
+import random
+
+import pytest
+import torch
+
+from niah.haystack import haystack_text, tokenize_haystack
+from niah.kv.cache import PackedCache
+from niah.kv.registry import get_method
+from niah.needles import NeedleSpec, make_trial
+from niah.prompts import build_cell
+from niah.protocol import ask, compare_logits, context_kv, prefill
+
+
+@pytest.fixture(scope="module")
+def cell(tiny):
+    hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 600)
+    return build_cell(tiny.tokenizer, hay, 400, 0.5, make_trial(NeedleSpec(), random.Random(3)), "completion")
+
+
+def _ask(tiny, kv, cell, method="fp16", keep=True):
+    cache = PackedCache.from_kv(kv, get_method(method), keep_dequantized=keep)
+    return ask(tiny.model, tiny.tokenizer, cache, cell.question_ids, cell.answer_ids, 6)
+
+
+def test_the_question_reads_the_prefilled_cache(tiny, cell):
+    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=128))
+    clean = _ask(tiny, kv, cell)
+    gen = torch.Generator().manual_seed(0)
+    corrupted = [(k, v + torch.randn(v.shape, generator=gen)) for k, v in kv]  # (a reordering would not do: attention ignores key order)
+    other = _ask(tiny, corrupted, cell)
+    assert abs(clean.answer_logprob - other.answer_logprob) > 1e-3
+    kl, top1 = compare_logits(clean.answer_logsoftmax, other.answer_logsoftmax)
+    assert kl > 0
+
+
+def test_protocol_matches_one_full_forward(tiny, cell):
+    """Chunked prefill + question pass over the fp32-stored cache == one forward over the whole prompt."""
+    from niah.kv.fp import CastStorage
+    from niah.kv.registry import KVMethod
+
+    fp32 = KVMethod("fp32", CastStorage("fp32", torch.float32), CastStorage("fp32", torch.float32))
+    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=96))
+    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_kv(kv, fp32), cell.question_ids, cell.answer_ids, 4)
+    ids = torch.tensor([cell.prefill_ids + cell.question_ids + cell.answer_ids])
+    with torch.no_grad():
+        full = torch.log_softmax(tiny.model(ids).logits[0].float(), -1)
+    n = len(cell.answer_ids)
+    expect = full[-n - 1 : -1]
+    torch.testing.assert_close(ans.answer_logsoftmax, expect, atol=2e-4, rtol=1e-4)
+
+
+def test_memoized_dequantization_changes_no_number(tiny, cell):
+    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=128))
+    a = _ask(tiny, kv, cell, "bf16", keep=True)
+    b = _ask(tiny, kv, cell, "bf16", keep=False)
+    assert a.text == b.text
+    torch.testing.assert_close(a.answer_logsoftmax, b.answer_logsoftmax, atol=0, rtol=0)
+
+
+def test_a_lossy_method_changes_the_logits_and_stores_fewer_bytes(tiny, cell):
+    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=128))
+    ref, lossy = _ask(tiny, kv, cell, "fp16"), _ask(tiny, kv, cell, "bf16")
+    assert not torch.equal(ref.answer_logsoftmax, lossy.answer_logsoftmax)
+    stored = PackedCache.from_kv(kv, get_method("fp16")).nbytes()
+    layers, heads, dim = len(kv), kv[0][0].shape[1], kv[0][0].shape[3]
+    assert stored == {"packed": 2 * 2 * layers * heads * dim * len(cell.prefill_ids), "residual": 0, "total": stored["packed"]}
+
+
+def test_question_tokens_are_stored_quantized_too(tiny, cell):
+    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=128))
+    cache = PackedCache.from_kv(kv, get_method("fp16"))
+    ask(tiny.model, tiny.tokenizer, cache, cell.question_ids, cell.answer_ids, 3)
+    layer = cache.layers[0]
+    assert layer.res_k.shape[-2] == 0  # residual 0: every token went into packed storage
+    assert layer.get_seq_length() > len(cell.prefill_ids)

@@ -1,0 +1,43 @@
+import json
+
+import pytest
+
+from niah.results import ResultsTable, read_rows
+from niah.scoring import string_match_all, wilson_interval
+
+
+def test_string_match_all():
+    assert string_match_all(" 1234567.", ["1234567"]) == 1.0
+    assert string_match_all("abc and XYZ", ["abc", "xyz", "nope"]) == pytest.approx(2 / 3)
+    assert string_match_all("", ["1"]) == 0.0
+    with pytest.raises(ValueError):
+        string_match_all("x", [])
+
+
+def test_wilson_interval():
+    lo, hi = wilson_interval(8, 10)
+    assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95  # the textbook 8/10 interval: [0.490, 0.943]
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_table_skips_duplicates_and_survives_a_torn_last_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    t = ResultsTable(path, ("a",))
+    t.append({"a": 1, "v": "x"})
+    t.append({"a": 1, "v": "again"})
+    with open(path, "a") as f:
+        f.write('{"a": 2, "v": "tor')  # a kill in the middle of a write
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert [r["a"] for r in read_rows(path)] == [1]
+    t2 = ResultsTable(path, ("a",))
+    t2.append({"a": 2, "v": "y"})
+    assert [r["a"] for r in read_rows(path)] == [1, 2]
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_a_corrupt_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
+    with pytest.raises(ValueError, match="corrupt at line 2"):
+        read_rows(path)
