@@ -20,6 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="export the executed chain as one HTML report")
     p.add_argument("--config", default="cpu")
     sub.add_parser("env", help="print the environment record")
+    p = sub.add_parser("bench", help="speed benchmarks, printed as ratios measured in one run")
+    p.add_argument("what", choices=["kv"], help="kv: KV codecs, decode attention, transformers' QuantizedCache")
+    p.add_argument("--methods", nargs="*", help="KV methods (default: every registered one)")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hf-context", type=int, default=2048, help="context of the QuantizedCache comparison (0: skip it)")
     args = ap.parse_args(argv)
 
     from .config import ConfigError
@@ -46,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             from .chain import report
 
             print(f"report: {report(args.config)}")
+        elif args.cmd == "bench":
+            _bench_kv(args)
         elif args.cmd == "env":
             from .env import environment_record
 
@@ -54,6 +62,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _bench_kv(args) -> None:
+    import torch
+
+    from . import bench
+    from .kv.registry import available
+
+    torch.set_num_threads(args.threads)
+    methods = args.methods or [m for m in available() if m != "fp16"]
+    print(f"# KV codecs on a (1, 3, {args.tokens}, 64) fp32 tensor, {args.threads} thread(s); ratios to a plain copy in this run")
+    print(bench.codec_throughput(methods, args.tokens).round(3).to_string(index=False))
+    print(f"\n# one decode step's attention over {args.tokens} cached tokens (3 KV heads, 9 query heads, d=64)")
+    print(bench.decode_attention(methods, args.tokens).round(3).to_string(index=False))
+    if args.hf_context:
+        from .config import load_config
+        from .haystack import haystack_text, tokenize_haystack
+        from .models import load_model
+
+        lm = load_model(load_config("cpu")["model"])
+        ids = tokenize_haystack(haystack_text("pydoc"), lm.tokenizer, args.hf_context).ids[: args.hf_context]
+        print(f"\n# transformers' caches on {lm.name}, {args.hf_context}-token context, decode ms/token")
+        print(bench.hf_quantized_cache(lm, ids).round(2).to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -34,3 +34,58 @@ def summarize(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     out["ci_low"], out["ci_high"] = [c[0] for c in ci], [c[1] for c in ci]
     failed = df[df["status"] != "ok"].groupby(by, dropna=False).size().rename("not_ok").reset_index()
     return out.merge(failed, on=by, how="outer").fillna({"not_ok": 0, "n": 0})
+
+
+def sweep_fits(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Per method: linear fit of KV bytes on length (bytes per token, R^2), quadratic TTFT fit, TPOT growth."""
+    from .fits import polyfit
+
+    rows = []
+    for method, part in sweep[sweep["status"] == "ok"].groupby("method", sort=False):
+        part = part.sort_values("length")
+        kv = polyfit(part["length"], part["kv_bytes"], 1)
+        ttft = polyfit(part["length"], part["ttft_s"], 2) if len(part) > 2 else None
+        rows.append({
+            "method": method, "kv_bytes_per_token": kv.coef[0], "kv_r2": kv.r2,
+            "ttft_quadratic_coef": ttft.coef[0] if ttft else float("nan"), "ttft_r2": ttft.r2 if ttft else float("nan"),
+            "tpot_first_ms": 1e3 * part["tpot_median_s"].iloc[0], "tpot_last_ms": 1e3 * part["tpot_median_s"].iloc[-1],
+            "longest": int(part["length"].iloc[-1]),
+        })
+    return pd.DataFrame(rows)
+
+
+def at_lengths(sweep: pd.DataFrame, lengths=(4096, 8192, 16384), ref: str = "fp16") -> pd.DataFrame:
+    """Bytes per token, ratio to the reference, and TPOT ratio to the reference at the marked lengths."""
+    ok = sweep[(sweep["status"] == "ok") & sweep["length"].isin(lengths)].copy()
+    ok["bytes_per_token"] = ok["kv_bytes"] / ok["length"]
+    base = ok[ok["method"] == ref].set_index("length")
+    ok["bytes_vs_ref"] = ok["kv_bytes"] / ok["length"].map(base["kv_bytes"])
+    ok["tpot_vs_ref"] = ok["tpot_median_s"] / ok["length"].map(base["tpot_median_s"])
+    cols = ["method", "length", "bytes_per_token", "bits_per_value", "bytes_vs_ref", "tpot_median_s", "tpot_vs_ref", "score", "kl_vs_ref"]
+    return ok[[c for c in cols if c in ok]].sort_values(["length", "bytes_per_token"])
+
+
+def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Dominant period and peak-to-trough amplitude of each memory trace (claim S0-10)."""
+    from .fits import dominant_period
+
+    rows = []
+    for _, r in sweep[sweep["status"] == "ok"].iterrows():
+        if len(r["trace_t"]) < 8:
+            continue
+        osc = dominant_period(r["trace_t"], r["trace_bytes"])
+        rows.append({"method": r["method"], "length": r["length"], "samples": len(r["trace_t"]), "period_s": osc.period_s,
+                     "amplitude_MiB": osc.amplitude / 2**20, "autocorrelation": osc.strength})
+    return pd.DataFrame(rows)
+
+
+def kv_value_share(lm, cfg: dict, tokens: int = 2048, bound: float = 6.0) -> float:
+    """Share of the real model's K and V values within [-bound, bound] over a ``tokens``-token pydoc prefill (claim S0-8)."""
+    from .haystack import haystack_text, tokenize_haystack
+    from .protocol import context_kv, prefill
+
+    ids = tokenize_haystack(haystack_text(cfg["haystack"]), lm.tokenizer, tokens).ids[:tokens]
+    kv = context_kv(prefill(lm.model, ids, chunk=cfg["niah"]["prefill_chunk"]))
+    inside = sum(int((t.abs() <= bound).sum()) for pair in kv for t in pair)
+    total = sum(t.numel() for pair in kv for t in pair)
+    return inside / total

@@ -79,3 +79,31 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
             plt.show()
             plt.close(fig)
     return paths
+
+
+def cold_warm(cfg: dict, run_dir: Path) -> pd.DataFrame | str:
+    """Run (once) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks for."""
+    from .sweep import cold_vs_warm
+
+    spec = cfg.get("sweep", {}).get("cold_warm")
+    if not spec:
+        return "not measured: this config sets no sweep.cold_warm {target, warmup}"
+    path = run_dir / "cold_warm.json"
+    if path.exists():
+        runs = json.loads(path.read_text())
+    else:
+        runs = cold_vs_warm(cfg["name"], spec["target"], spec["warmup"])
+        save_json(runs, path)
+    return pd.DataFrame({k: runs[k] for k in ("cold", "warm")}).T.assign(reduction=runs["reduction"])
+
+
+def claims_ledger(cfg: dict, run_dir: Path) -> pd.DataFrame:
+    """Gather this run's evidence, compute every verdict, and save the ledger as CSV and Markdown."""
+    from .analysis import kv_value_share
+    from .claims import gather_evidence, ledger
+
+    lm = load(cfg)
+    table = ledger(gather_evidence(cfg, run_dir, kv_value_share(lm, cfg)))
+    table.to_csv(run_dir / "claims_ledger.csv", index=False)
+    (run_dir / "claims_ledger.md").write_text(table[["id", "claim", "measured", "verdict"]].to_markdown(index=False))
+    return table

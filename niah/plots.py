@@ -42,3 +42,65 @@ def save(fig, folder: str | Path, name: str) -> list[Path]:
     for p in paths:
         fig.savefig(p, dpi=120, bbox_inches="tight")
     return paths
+
+
+MARKS = (4096, 8192, 16384)
+
+
+def _mark_lengths(ax, lengths) -> None:
+    for m in MARKS:
+        if min(lengths) <= m <= max(lengths):
+            ax.axvline(m, color="0.8", lw=0.8, zorder=0)
+
+
+def sweep_curves(sweep: pd.DataFrame, fits: pd.DataFrame):
+    """Three panels against context length: KV bytes (with linear fits), TTFT, and TPOT median with its p90."""
+    ok = sweep[sweep["status"] == "ok"].sort_values("length")
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    for method, part in ok.groupby("method", sort=False):
+        r2 = fits.loc[fits["method"] == method, "kv_r2"].iloc[0]
+        line = axes[0].plot(part["length"], part["kv_bytes"] / 2**20, "o-", ms=3, label=f"{method} (R²={r2:.4f})")[0]
+        axes[1].plot(part["length"], part["ttft_s"], "o-", ms=3, color=line.get_color(), label=method)
+        axes[2].plot(part["length"], 1e3 * part["tpot_median_s"], "o-", ms=3, color=line.get_color(), label=method)
+        axes[2].fill_between(part["length"], 1e3 * part["tpot_median_s"], 1e3 * part["tpot_p90_s"], color=line.get_color(), alpha=0.15)
+    labels = ("stored KV cache (MiB)", "TTFT: prefill + quantize (s)", "TPOT median, band to p90 (ms)")
+    for ax, label in zip(axes, labels):
+        _mark_lengths(ax, ok["length"])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def memory_traces(sweep: pd.DataFrame, length: int):
+    """Sampled memory during store + decode at one length, one line per method."""
+    ok = sweep[(sweep["status"] == "ok") & (sweep["length"] == length)]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    for _, r in ok.iterrows():
+        ax.plot(r["trace_t"], [b / 2**20 for b in r["trace_bytes"]], lw=1, label=r["method"])
+    ax.set_xlabel("seconds since the method started storing the context")
+    ax.set_ylabel(f"{ok['memory_source'].iloc[0] if len(ok) else 'memory'} (MiB)")
+    ax.set_title(f"memory trace at {length} tokens")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def quality_vs_bits(summary: pd.DataFrame):
+    """Accuracy and KL against stored bits per value, one point per method (the Pareto view)."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for _, r in summary.iterrows():
+        for ax, col in zip(axes, ("accuracy", "kl_vs_ref")):
+            ax.scatter(r["bits_per_value"], r[col], s=30)
+            ax.annotate(r["method"], (r["bits_per_value"], r[col]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes[0].errorbar(summary["bits_per_value"], summary["accuracy"], yerr=[summary["accuracy"] - summary["ci_low"], summary["ci_high"] - summary["accuracy"]], fmt="none", ecolor="0.6", lw=0.8)
+    axes[0].set_ylim(-0.05, 1.05)
+    axes[0].set_ylabel("needle accuracy (95% Wilson)")
+    axes[1].set_yscale("symlog", linthresh=1e-4)
+    axes[1].set_ylabel("KL vs reference cache (answer positions)")
+    for ax in axes:
+        ax.set_xlabel("stored bits per value (measured)")
+    fig.tight_layout()
+    return fig

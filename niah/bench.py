@@ -1,0 +1,114 @@
+"""Speed benchmarks that print ratios measured in one run (machines are noisy; absolute numbers are not targets).
+
+* :func:`codec_throughput`: quantize and dequantize throughput of each KV method, as a ratio to a plain
+  ``clone()`` of the same fp32 tensor measured in the same run.
+* :func:`decode_attention`: one decode step's attention over a long packed cache (dequantize what the
+  cache stores, then SDPA with grouped-query heads), as a ratio to the same step over the fp32 cache.
+* :func:`hf_quantized_cache`: transformers' own ``QuantizedCache`` (quanto backend) against its
+  ``DynamicCache`` on a real model and context: what a user would otherwise pick.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from .kv.cache import PackedLayer
+from .kv.registry import get_method
+
+
+def median_time(fn, repeat: int = 5) -> float:
+    """Median wall seconds of ``fn()`` over ``repeat`` runs after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _kv(tokens: int, kv_heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """A K-like tensor ``(1, kv_heads, tokens, head_dim)``: gaussian with a few large channels, as real keys have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
+    x[..., :4] *= 8.0
+    return x
+
+
+def codec_throughput(methods: list[str], tokens: int = 16384, kv_heads: int = 3, head_dim: int = 64, repeat: int = 5) -> pd.DataFrame:
+    """Per method: MB/s of fp32 input quantized and of fp32 output dequantized, and both as a share of copy speed."""
+    x = _kv(tokens, kv_heads, head_dim)
+    mb = x.numel() * x.element_size() / 1e6
+    copy_s = median_time(x.clone, repeat)
+    rows = []
+    for name in methods:
+        q = get_method(name).key.for_layer(0)
+        packed = q.quantize(x)
+        qs = median_time(lambda: q.quantize(x), repeat)
+        ds = median_time(lambda: q.dequantize(packed), repeat)
+        rows.append({
+            "method": name, "copy_MBps": mb / copy_s, "quantize_MBps": mb / qs, "dequantize_MBps": mb / ds,
+            "quantize_vs_copy": copy_s / qs, "dequantize_vs_copy": copy_s / ds,
+        })
+    return pd.DataFrame(rows)
+
+
+def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3, q_heads: int = 9, head_dim: int = 64, repeat: int = 5) -> pd.DataFrame:
+    """One decode step of one layer over ``tokens`` cached tokens: ms per method and ratio to the fp32 cache.
+
+    Each step appends one token to a :class:`PackedLayer` that keeps nothing dequantized (the real decode path:
+    the stored cache is read, and dequantized, at every step), then attends with ``enable_gqa``.
+    """
+    k, v = _kv(tokens, kv_heads, head_dim, 1), _kv(tokens, kv_heads, head_dim, 2)
+    q = torch.randn(1, q_heads, 1, head_dim)
+    k1, v1 = k[..., -1:, :].clone(), v[..., -1:, :].clone()
+
+    def fp32_step():
+        F.scaled_dot_product_attention(q, torch.cat([k, k1], 2), torch.cat([v, v1], 2), enable_gqa=True)
+
+    base = median_time(fp32_step, repeat)
+    rows = [{"method": "fp32 (no cache method)", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0}]
+    for name in methods:
+        layer = PackedLayer(get_method(name), 0, keep_dequantized=False)
+        layer.update(k, v)
+
+        def step():
+            keys, values = layer.update(k1, v1)
+            F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+        s = median_time(step, repeat)
+        rows.append({"method": name, "step_ms": 1e3 * s, "ratio_to_fp32": s / base})
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def hf_quantized_cache(lm, context_ids: list[int], steps: int = 16, nbits_list=(4, 2)) -> pd.DataFrame:
+    """Decode ms/token of transformers' ``DynamicCache`` and ``QuantizedCache(backend="quanto")`` after the same prefill."""
+    from transformers import DynamicCache, QuantizedCache
+
+    def decode_ms(cache) -> float:
+        ids = torch.tensor([context_ids])
+        out = lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = lm.model(input_ids=nxt, cache=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+        return 1e3 * (time.perf_counter() - t0) / steps
+
+    rows = [{"cache": "DynamicCache (fp32)", "decode_ms_per_token": decode_ms(DynamicCache(config=lm.model.config))}]
+    for nbits in nbits_list:
+        try:
+            cache = QuantizedCache(backend="quanto", config=lm.model.config, nbits=nbits)
+        except ImportError as err:
+            rows.append({"cache": f"QuantizedCache quanto int{nbits}", "decode_ms_per_token": float("nan"), "note": str(err)[:120]})
+            continue
+        rows.append({"cache": f"QuantizedCache quanto int{nbits}", "decode_ms_per_token": decode_ms(cache)})
+    df = pd.DataFrame(rows)
+    df["ratio_to_dynamic"] = df["decode_ms_per_token"] / df["decode_ms_per_token"].iloc[0]
+    return df

@@ -1,0 +1,217 @@
+"""The stepped pressure sweep: context length from 1 token up to the longest step, per KV method.
+
+One haystack context (the RULER intro, a needle right after it, then haystack) is prefilled
+incrementally; the context of each step is a prefix of the next, so the whole sweep costs one prefill
+of the longest step.  TTFT of a step is the cumulative time of that chunked prefill (the same chunks a
+fresh request of that length would run) plus the method's quantize time.  At every step and for every
+method the sweep records:
+
+* KV bytes, measured from the stored tensors and from the format's analytical bits per value;
+* peak memory (process RSS on the CPU; ``torch.cuda.max_memory_allocated`` and pynvml on CUDA) and a
+  memory trace sampled at ``sweep.hz`` during quantization and decode, kept in the row;
+* TPOT: median and p90 over ``sweep.decode_steps`` greedy decode steps on the real decode path
+  (``keep_dequantized=False``: every step reads and dequantizes the whole stored cache);
+* retrieval of the needle (once the step is long enough to hold it) and KL against the reference method.
+
+Rows are keyed by (config, model, method, length); a killed sweep resumes where it stopped.  A step
+that runs out of memory, or whose fp32 context would exceed ``sweep.memory_budget_gib``, is recorded
+with status ``oom`` and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import env
+from .haystack import haystack_text, tokenize_haystack
+from .kv.cache import PackedCache
+from .kv.registry import get_method
+from .needles import NeedleSpec, make_trial, needle_text
+from .prompts import build_cell
+from .protocol import ask, compare_logits, context_kv, prefill
+from .results import ResultsTable
+from .scoring import string_match_all
+from .telemetry import MemorySampler
+
+KEY = ("config", "model", "method", "length")
+SWEEP_DEFAULTS = {
+    "lengths": [1, 256, 512, 1024, 2048],
+    "methods": ["fp16"],
+    "decode_steps": 32,
+    "hz": 50,
+    "memory_budget_gib": None,
+    "cold_warm": None,  # e.g. {"target": 8192, "warmup": 4096}
+}
+
+
+def sweep_settings(cfg: dict) -> dict:
+    s = {**SWEEP_DEFAULTS, **cfg.get("sweep", {})}
+    unknown = set(s) - set(SWEEP_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown sweep setting(s) {sorted(unknown)}; valid: {sorted(SWEEP_DEFAULTS)}")
+    if cfg["niah"]["reference"] not in s["methods"]:
+        s["methods"] = [cfg["niah"]["reference"], *s["methods"]]
+    return s
+
+
+def _timed_decode(model, cache, first_token: int, steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and seconds of each of ``steps`` decode steps (never stopping early)."""
+    device = next(model.parameters()).device
+    tokens, times = [first_token], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return tokens, times
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
+    """Run every missing (method, length) row of the config's sweep; return the table's path."""
+    s = sweep_settings(cfg)
+    table = ResultsTable(out_path, KEY)
+    methods = {m: get_method(m) for m in s["methods"]}
+    ref = cfg["niah"]["reference"]
+    base = {"config": cfg["name"], "config_hash": cfg["hash"], "model": lm.name, "seed": cfg["seed"], "git_commit": env.git_commit(), "versions": env.versions()}
+
+    def missing(length):
+        return [m for m in methods if table.key({**base, "method": m, "length": length}) not in table.done]
+
+    lengths = sorted(s["lengths"])
+    if not any(missing(L) for L in lengths):
+        return out_path
+    torch.set_num_threads(cfg["threads"])
+    longest = lengths[-1]
+    hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, longest)
+    trial = make_trial(NeedleSpec(**{**cfg["niah"]["needle"], "variant": "single"}), random.Random(f"{cfg['seed']}/sweep"))
+    cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")
+    probe_from = cell.needle_at + len(lm.tokenizer.encode(needle_text(trial.kind, *trial.needles[0]), add_special_tokens=False))
+    cuda = cfg["device"] == "cuda"
+    cache, done_tokens, ttft = None, 0, 0.0
+    bar = tqdm(total=sum(len(missing(L)) for L in lengths), desc=f"pressure sweep [{cfg['name']}]", unit="row", disable=not progress)
+    for L in lengths:
+        todo = missing(L)
+        budget = s["memory_budget_gib"]
+        fp32_bytes = 2 * L * lm.model.config.num_hidden_layers * lm.model.config.num_key_value_heads * lm.head_dim * 4
+        if budget is not None and fp32_bytes > budget * 2**30:
+            for m in todo:
+                table.append({**base, "method": m, "length": L, "status": "oom", "reason": f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB"})
+            bar.update(len(todo))
+            continue
+        try:
+            t0 = time.perf_counter()
+            cache = prefill(lm.model, cell.prefill_ids[done_tokens:L], cache, cfg["niah"]["prefill_chunk"])
+            ttft += time.perf_counter() - t0
+            done_tokens = L
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            for m in todo:
+                table.append({**base, "method": m, "length": L, "status": "oom", "reason": str(err)[:300]})
+            bar.update(len(todo))
+            break
+        if not todo:
+            continue
+        kv = context_kv(cache)
+        probe = L >= probe_from
+        answers = {}
+        for name in [ref] + [m for m in todo if m != ref]:
+            row = {**base, "method": name, "length": L}
+            try:
+                row.update(_measure(lm, kv, methods[name], cell, probe, s, cuda))
+            except (torch.OutOfMemoryError, MemoryError) as err:
+                if name in todo:
+                    table.append({**row, "status": "oom", "reason": str(err)[:300]})
+                    bar.update(1)
+                continue
+            answers[name] = row.pop("_answer")
+            if name not in todo:
+                continue
+            if probe:
+                row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(answers[ref].answer_logsoftmax, answers[name].answer_logsoftmax)
+                row["score"] = string_match_all(row["generated"], cell.expected)
+            row["ttft_s"] = ttft + row["quantize_s"]
+            row["prefill_s"] = ttft
+            table.append(row)
+            bar.update(1)
+    bar.close()
+    return out_path
+
+
+def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
+    """Store, probe and decode one step for one method; the numbers of one sweep row."""
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sampler = MemorySampler(hz=s["hz"], source="cuda" if cuda else "rss").start()
+    try:
+        t0 = time.perf_counter()
+        stored = PackedCache.from_kv(kv, method, keep_dequantized=False)
+        quantize_s = time.perf_counter() - t0
+        nbytes = stored.nbytes()
+        answer = ask(lm.model, lm.tokenizer, stored, cell.question_ids, cell.answer_ids, 1)
+        first = lm.tokenizer.encode(answer.text, add_special_tokens=False)[:1] or [lm.tokenizer.eos_token_id]
+        tokens, steps = _timed_decode(lm.model, stored, first[0], s["decode_steps"])
+    finally:
+        sampler.stop()
+    values = kv[0][0].shape[1] * kv[0][0].shape[3] * 2 * len(kv) * kv[0][0].shape[2]
+    return {
+        "status": "ok", "reason": "", "_answer": answer, "probe": probe,
+        "kv_bytes": nbytes["total"], "kv_bytes_packed": nbytes["packed"], "kv_bytes_residual": nbytes["residual"],
+        "kv_bytes_analytical": method.analytical_bits(lm.head_dim) * values / 8,
+        "bits_per_value": 8 * nbytes["total"] / values,
+        "quantize_s": quantize_s, "tpot_median_s": statistics.median(steps), "tpot_p90_s": _percentile(steps, 0.9),
+        "decode_steps": len(steps),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else sampler.peak,
+        "memory_source": "cuda max_memory_allocated" if cuda else "process RSS",
+        "trace_t": [round(t, 4) for t in sampler.times], "trace_bytes": sampler.values,
+        "generated": lm.tokenizer.decode(tokens, skip_special_tokens=True),
+    }
+
+
+def first_request_ttft(cfg: dict, target: int, warmup: int = 0) -> dict:
+    """In this process: load the model, optionally run a ``warmup``-token request, then time a ``target``-token prefill.
+
+    Call it in a fresh process (see :func:`cold_vs_warm`): "cold" means the first request after loading.
+    """
+    from .models import load_model
+
+    torch.set_num_threads(cfg["threads"])
+    lm = load_model(cfg["model"], device=cfg["device"])
+    ids = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, target).ids
+    out = {"target": target, "warmup": warmup}
+    if warmup:
+        t0 = time.perf_counter()
+        prefill(lm.model, ids[:warmup], chunk=cfg["niah"]["prefill_chunk"])
+        out["warmup_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    prefill(lm.model, ids[-target:], chunk=cfg["niah"]["prefill_chunk"])
+    out["ttft_s"] = time.perf_counter() - t0
+    return out
+
+
+def cold_vs_warm(config: str, target: int, warmup: int) -> dict:
+    """TTFT of the first ``target``-token request in a fresh process, without and with a ``warmup``-token request first."""
+    import json
+    import subprocess
+    import sys
+
+    runs = {}
+    for label, w in (("cold", 0), ("warm", warmup)):
+        code = f"import json; from niah.config import load_config; from niah.sweep import first_request_ttft; print(json.dumps(first_request_ttft(load_config({config!r}), {target}, {w})))"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=env.ROOT)
+        if proc.returncode:
+            raise RuntimeError(f"the {label} TTFT probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        runs[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs["reduction"] = 1 - runs["warm"]["ttft_s"] / runs["cold"]["ttft_s"]
+    return runs

@@ -1,0 +1,61 @@
+import pytest
+
+from niah.config import validate
+from niah.fits import polyfit
+from niah.results import ResultsTable, read_rows
+from niah.sweep import KEY, run_sweep
+
+
+def _cfg(smoke_cfg, **sweep):
+    raw = {k: v for k, v in smoke_cfg.items() if k != "hash"}
+    raw["sweep"] = {**smoke_cfg["sweep"], **sweep}
+    return validate(raw)
+
+
+def test_sweep_rows_bytes_timings_and_traces(smoke_cfg, tiny, tmp_path):
+    cfg = _cfg(smoke_cfg)
+    rows = read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))
+    assert len(rows) == len(cfg["sweep"]["lengths"]) * len(cfg["sweep"]["methods"])
+    assert {r["status"] for r in rows} == {"ok"}
+    fp16 = sorted((r for r in rows if r["method"] == "fp16"), key=lambda r: r["length"])
+    fit = polyfit([r["length"] for r in fp16], [r["kv_bytes"] for r in fp16], 1)
+    assert fit.r2 == pytest.approx(1.0) and fit.coef[0] == pytest.approx(2 * 2 * 2 * 32 * 2)  # K+V, layers, heads, dim, fp16
+    for r in rows:
+        assert r["kv_bytes"] == pytest.approx(r["kv_bytes_analytical"], rel=0.01)
+        assert r["decode_steps"] == 32 and 0 < r["tpot_median_s"] <= r["tpot_p90_s"]
+        assert r["ttft_s"] >= r["prefill_s"] > 0
+        assert len(r["trace_t"]) == len(r["trace_bytes"]) >= 1
+    assert {r["probe"] for r in rows} == {True, False}  # 1 token cannot hold the needle; 512 can
+
+
+def test_memory_budget_is_an_oom_status_and_the_sweep_goes_on(smoke_cfg, tiny, tmp_path):
+    cfg = _cfg(smoke_cfg, lengths=[64, 512, 256], memory_budget_gib=200 * 2 * 2 * 2 * 32 * 4 / 2**30)
+    rows = {(r["method"], r["length"]): r for r in read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))}
+    assert rows[("fp16", 64)]["status"] == "ok"
+    assert rows[("fp16", 256)]["status"] == "oom" and "budget" in rows[("fp16", 256)]["reason"]
+    assert rows[("bf16", 512)]["status"] == "oom"
+
+
+def test_a_killed_sweep_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, monkeypatch):
+    cfg = _cfg(smoke_cfg)
+    path = tmp_path / "s.jsonl"
+    real, calls = ResultsTable.append, {"n": 0}
+
+    def dying(self, row):
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        real(self, row)
+
+    monkeypatch.setattr(ResultsTable, "append", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(cfg, tiny, path, progress=False)
+    monkeypatch.setattr(ResultsTable, "append", real)
+    rows = read_rows(run_sweep(cfg, tiny, path, progress=False))
+    keys = [tuple(r[k] for k in KEY) for r in rows]
+    assert len(keys) == len(set(keys)) == len(cfg["sweep"]["lengths"]) * len(cfg["sweep"]["methods"])
+
+
+def test_unknown_sweep_setting_is_named(smoke_cfg, tiny, tmp_path):
+    with pytest.raises(ValueError, match="unknown sweep setting"):
+        run_sweep(_cfg(smoke_cfg, step=3), tiny, tmp_path / "s.jsonl", progress=False)

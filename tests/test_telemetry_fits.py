@@ -1,0 +1,46 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from niah.fits import dominant_period, polyfit
+from niah.telemetry import MemorySampler
+
+
+def test_sampler_samples_fast_enough_and_never_leaks_its_thread():
+    before = threading.active_count()
+    with MemorySampler(hz=50) as s:
+        blob = bytearray(64 << 20)  # 64 MiB, touched
+        blob[::4096] = b"x" * len(blob[::4096])
+        time.sleep(0.4)
+        del blob
+    assert threading.active_count() == before
+    assert len(s.times) >= 10 and all(b > a for a, b in zip(s.times, s.times[1:]))
+    assert s.peak > 0
+    with pytest.raises(RuntimeError):
+        s.start()
+    with pytest.raises(ValueError, match="20 Hz"):
+        MemorySampler(hz=5)
+
+
+def test_linear_and_quadratic_fits_recover_known_curves():
+    x = np.array([1, 256, 512, 1024, 2048, 4096, 8192, 16384])
+    lin = polyfit(x, 36864 * x + 1000, 1)
+    assert lin.coef[0] == pytest.approx(36864) and lin.r2 == pytest.approx(1.0)
+    quad = polyfit(x, 2e-7 * x**2 + 3e-3 * x, 2)
+    assert quad.coef[0] == pytest.approx(2e-7, rel=1e-6)
+    noisy = polyfit(x, x + np.random.default_rng(0).normal(0, 3000, len(x)), 1)
+    assert noisy.r2 < 1.0
+    with pytest.raises(ValueError):
+        polyfit([1, 2], [1, 2], 2)
+
+
+def test_dominant_period_finds_a_planted_oscillation_and_none_in_a_ramp():
+    t = np.arange(0, 5, 0.02)  # 50 Hz for 5 s
+    trace = 1e9 + 3e8 * np.sin(2 * np.pi * t / 0.237) + 1e7 * t
+    osc = dominant_period(t, trace)
+    assert osc.period_s == pytest.approx(0.237, abs=0.02)
+    assert osc.amplitude == pytest.approx(6e8, rel=0.05)
+    flat = dominant_period(t, 1e9 + 1e7 * t)
+    assert flat.period_s is None and flat.amplitude < 1e3
