@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="export the executed chain as one HTML report")
     p.add_argument("--config", default="cpu")
     sub.add_parser("env", help="print the environment record")
+    p = sub.add_parser("summary", help="print a run's results as Markdown tables (for the README)")
+    p.add_argument("--config", default="cpu")
     p = sub.add_parser("bench", help="speed benchmarks, printed as ratios measured in one run")
     p.add_argument("what", choices=["kv"], help="kv: KV codecs, decode attention, transformers' QuantizedCache")
     p.add_argument("--methods", nargs="*", help="KV methods (default: every registered one)")
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report: {report(args.config)}")
         elif args.cmd == "bench":
             _bench_kv(args)
+        elif args.cmd == "summary":
+            _summary(args.config)
         elif args.cmd == "env":
             from .env import environment_record
 
@@ -62,6 +66,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _summary(config: str) -> None:
+    from .analysis import accuracy_table, at_lengths, load_results
+    from .chain import run_dir
+    from .config import load_config
+
+    cfg, out = load_config(config), run_dir(config)
+    niah = load_results(out / "niah_results.jsonl")
+    if not len(niah):
+        raise FileNotFoundError(f"no results in {out}: run `make reproduce CONFIG={config}` first")
+    rows = niah[niah["status"] == "ok"]
+    print(f"Needle accuracy, config `{config}` ({rows['model'].iloc[0]}, commit {rows['git_commit'].iloc[0]}), "
+          f"{cfg['niah']['needle']['kind']} needles, {cfg['niah']['prompt_styles']} prompts, 95% Wilson intervals:\n")
+    print(accuracy_table(niah, cfg["niah"]["reference"]).to_markdown())
+    sweep = load_results(out / "sweep_results.jsonl")
+    if len(sweep):
+        print("\nPressure sweep at the marked lengths (ratios to the fp16 cache, same run):\n")
+        print(at_lengths(sweep, ref=cfg["niah"]["reference"]).round(3).to_markdown(index=False))
+    for name in ("claims_ledger.md", "timing.json"):
+        if (out / name).exists():
+            print(f"\n{name}:\n" + (out / name).read_text())
 
 
 def _bench_kv(args) -> None:

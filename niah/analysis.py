@@ -89,3 +89,16 @@ def kv_value_share(lm, cfg: dict, tokens: int = 2048, bound: float = 6.0) -> flo
     inside = sum(int((t.abs() <= bound).sum()) for pair in kv for t in pair)
     total = sum(t.numel() for pair in kv for t in pair)
     return inside / total
+
+
+def accuracy_table(df: pd.DataFrame, ref: str = "fp16") -> pd.DataFrame:
+    """Method x length: ``accuracy [95% Wilson]`` strings with ``n``; failed cells show their status."""
+    s = summarize(df, ["method", "length"])
+    status = df.groupby(["method", "length"])["status"].agg(lambda x: ",".join(sorted(set(x) - {"ok"})))
+    s["cell"] = [
+        f"{a:.2f} [{lo:.2f}, {hi:.2f}] n={int(n)}" if n else status.get((m, L), "")
+        for m, L, a, lo, hi, n in zip(s["method"], s["length"], s["accuracy"], s["ci_low"], s["ci_high"], s["n"])
+    ]
+    table = s.pivot(index="method", columns="length", values="cell")
+    order = [ref] + sorted(set(table.index) - {ref}, key=lambda m: -s[s["method"] == m]["bits_per_value"].mean())
+    return table.loc[[m for m in order if m in table.index]]

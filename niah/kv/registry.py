@@ -1,7 +1,8 @@
 """Names -> KV methods.
 
 A method name is either a registered quantizer name used for keys and values alike
-(``q8_0``, ``turbo3``), or ``k<spec>v<spec>`` with separate key and value settings, where each
+(``q8_0``, ``turbo3``), a name registered as ``<name>_key`` and ``<name>_value`` for methods that treat
+keys and values differently (``kivi2``: per-channel keys, per-token values), or ``k<spec>v<spec>`` with separate key and value settings, where each
 spec is a registered name or a bare bit width that maps through ``BITS_ALIAS``
 (``k8v4`` = keys ``q8_0``, values ``q4_0``; ``kq8_0vturbo3`` also works).
 """
@@ -31,9 +32,9 @@ def register(name: str):
 
 
 def available() -> list[str]:
-    """All registered quantizer names, sorted."""
+    """All method names, sorted (``kivi2`` for the pair ``kivi2_key``/``kivi2_value``)."""
     _load_builtin()
-    return sorted(_FACTORIES)
+    return sorted({re.sub(r"_(key|value)$", "", n) for n in _FACTORIES})
 
 
 @dataclass
@@ -63,6 +64,8 @@ class KVMethod:
 
 def _one(name: str, whole: str) -> KVQuantizer:
     name = BITS_ALIAS.get(name, name)
+    if name not in _FACTORIES and f"{name}_key" in _FACTORIES:
+        raise ValueError(f"{name!r} treats keys and values differently and cannot be used for one side of {whole!r}")
     if name not in _FACTORIES:
         raise ValueError(
             f"unknown KV method {whole!r}: choose one of {', '.join(available())}, "
@@ -75,8 +78,9 @@ def get_method(name: str) -> KVMethod:
     """``get_method("q8_0")``, ``get_method("k8v4")``; an unknown name raises ``ValueError`` listing the choices."""
     _load_builtin()
     if name in _FACTORIES:
-        q = _FACTORIES[name]()
-        return KVMethod(name, q, _FACTORIES[name]())
+        return KVMethod(name, _FACTORIES[name](), _FACTORIES[name]())
+    if f"{name}_key" in _FACTORIES:
+        return KVMethod(name, _FACTORIES[f"{name}_key"](), _FACTORIES[f"{name}_value"]())
     m = re.fullmatch(r"k(.+?)v(.+)", name)
     if m and not name.startswith("kivi"):
         return KVMethod(name, _one(m.group(1), name), _one(m.group(2), name))
@@ -85,12 +89,5 @@ def get_method(name: str) -> KVMethod:
 
 
 def _load_builtin() -> None:
-    """Import the modules that register the built-in methods."""
-    from . import fp  # noqa: F401
-
-    for mod in ("quantizers", "turbo"):
-        try:
-            __import__(f"{__package__}.{mod}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__package__}.{mod}":
-                raise
+    """Import the modules whose ``@register`` calls add the built-in methods."""
+    from . import fp, quantizers, turbo  # noqa: F401

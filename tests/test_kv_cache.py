@@ -1,0 +1,60 @@
+"""Every registered KV method, stored in the packed cache and read by the question pass of a tiny model."""
+
+import random
+
+import pytest
+import torch
+
+from niah.haystack import haystack_text, tokenize_haystack
+from niah.kv.cache import PackedCache
+from niah.kv.registry import available, get_method
+from niah.needles import NeedleSpec, make_trial
+from niah.prompts import build_cell
+from niah.protocol import ask, compare_logits, context_kv, prefill
+
+METHODS = [m for m in available() if m != "fp16"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 1400)
+    cell = build_cell(tiny.tokenizer, hay, 1024, 0.5, make_trial(NeedleSpec(), random.Random(5)), "completion")
+    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=256))
+    ref = ask(tiny.model, tiny.tokenizer, PackedCache.from_kv(kv, get_method("fp16")), cell.question_ids, cell.answer_ids, 4)
+    return tiny, cell, kv, ref
+
+
+def _ask(setup, method):
+    tiny, cell, kv, _ = setup
+    return ask(tiny.model, tiny.tokenizer, PackedCache.from_kv(kv, get_method(method)), cell.question_ids, cell.answer_ids, 4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_quantized_method_is_not_the_fp16_cache(setup, method):
+    ans = _ask(setup, method)
+    assert not torch.equal(ans.answer_logsoftmax, setup[3].answer_logsoftmax), f"{method} returned fp16's logits"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stored_bytes_match_the_format(setup, method):
+    tiny, cell, kv, _ = setup
+    m = get_method(method)
+    cache = PackedCache.from_kv(kv, m)
+    layer = cache.layers[0]
+    packed_tokens = layer.get_seq_length() - layer.res_k.shape[-2]
+    values = 2 * kv[0][0].shape[1] * kv[0][0].shape[3] * packed_tokens
+    measured = 8 * layer.nbytes()[0] / values
+    assert measured == pytest.approx(m.analytical_bits(tiny.head_dim), rel=0.01)
+    assert layer.res_k.shape[-2] <= m.residual + m.token_group  # only the residual window stays in full precision
+    full = sum(k.numel() * 4 * 2 for k, _ in kv)
+    assert cache.nbytes()["total"] < full or method in ("bf16",)
+
+
+def test_kl_against_fp16_is_ordered_by_precision(setup):
+    kl = {m: compare_logits(setup[3].answer_logsoftmax, _ask(setup, m).answer_logsoftmax)[0] for m in ("q8_0", "q4_0", "turbo2")}
+    assert kl["q8_0"] < kl["q4_0"] < kl["turbo2"], kl
+
+
+def test_unsupported_head_dim_names_the_method_and_the_choices():
+    with pytest.raises(ValueError, match="q8_0"):
+        get_method("q8_0").check_head_dim(48)
