@@ -102,3 +102,14 @@ def accuracy_table(df: pd.DataFrame, ref: str = "fp16") -> pd.DataFrame:
     table = s.pivot(index="method", columns="length", values="cell")
     order = [ref] + sorted(set(table.index) - {ref}, key=lambda m: -s[s["method"] == m]["bits_per_value"].mean())
     return table.loc[[m for m in order if m in table.index]]
+
+
+def method_table(df: pd.DataFrame, ref: str = "fp16") -> pd.DataFrame:
+    """Per method over all cells: accuracy (Wilson), log-prob, KL, top-1, and the stored bytes per token next to the format's bits."""
+    ok = df[df["status"] == "ok"].assign(bytes_per_token=lambda d: d["kv_bytes"] / d["context_tokens"])
+    s = summarize(df, ["method"])
+    extra = ok.groupby("method").agg(bytes_per_token=("bytes_per_token", "mean"), analytical_bits=("analytical_bits", "mean")).reset_index()
+    s = s.merge(extra, on="method")
+    s["bytes_vs_ref"] = s["bytes_per_token"] / float(s.loc[s["method"] == ref, "bytes_per_token"].iloc[0])
+    cols = ["method", "n", "accuracy", "ci_low", "ci_high", "answer_logprob", "kl_vs_ref", "top1_vs_ref", "bits_per_value", "analytical_bits", "bytes_per_token", "bytes_vs_ref"]
+    return s[cols].sort_values("bits_per_value", ascending=False).reset_index(drop=True)

@@ -7,7 +7,8 @@
    quantized context (no "prefill gap"), then
    * teacher-forces the expected answer: its log-probability and the per-position log-softmax
      (for KL and top-1 agreement against the reference method), and
-   * decodes greedily for the scored text.
+   * decodes greedily for the scored text (from the first token where the teacher-forced argmax leaves
+     the expected answer; see :func:`ask`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,15 @@ class Answer:
 
 @torch.no_grad()
 def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_ids: list[int], max_new_tokens: int) -> Answer:
-    """Question pass over ``cache`` (mutated), teacher-forced answer and greedy generation."""
+    """Question pass over ``cache`` (mutated), teacher-forced answer, and greedy generation.
+
+    Greedy decoding picks the argmax at every step, so it reproduces the expected answer for exactly as many
+    tokens as the teacher-forced argmax agrees with it: those tokens are taken from the teacher-forced pass,
+    and decoding runs step by step only from the first disagreement (when every answer token agrees, the
+    generation is the expected answer and no decode step runs; ``decode_s_per_token`` is then NaN).  The one
+    difference from step-by-step decoding: a method whose scales span several new tokens (fp8's per-head
+    scale, the sliding-window quantizer) stores the agreeing tokens as one block.
+    """
     device = next(model.parameters()).device
     t0 = time.perf_counter()
     out = model(input_ids=torch.tensor([question_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
@@ -58,18 +67,25 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     forced = model(input_ids=torch.tensor([answer_ids], device=device), cache=cache.clone(), use_cache=True)
     logits = torch.cat([out.logits[0, -1:], forced.logits[0, :-1]]).float()
     logsm = torch.log_softmax(logits, dim=-1)
-    answer_logprob = logsm.gather(1, torch.tensor(answer_ids, device=device)[:, None]).sum().item()
+    target = torch.tensor(answer_ids, device=device)
+    answer_logprob = logsm.gather(1, target[:, None]).sum().item()
 
-    generated = [int(out.logits[0, -1].argmax())]
+    agree = (logits.argmax(-1) == target).int()
+    j = int(agree.cumprod(0).sum())  # answer tokens that greedy decoding reproduces
+    if j == len(answer_ids):
+        return Answer(tokenizer.decode(answer_ids, skip_special_tokens=True), answer_logprob, logsm.cpu(), float("nan"), question_s)
+    if j:
+        model(input_ids=target[None, :j], cache=cache, use_cache=True, logits_to_keep=1)
+    generated = answer_ids[:j] + [int(logits[j].argmax())]
     t1 = time.perf_counter()
     while len(generated) < max_new_tokens and generated[-1] != tokenizer.eos_token_id:
         if "\n" in tokenizer.decode(generated).strip(" "):
             break
         step = model(input_ids=torch.tensor([[generated[-1]]], device=device), cache=cache, use_cache=True)
         generated.append(int(step.logits[0, -1].argmax()))
-    decode_s = (time.perf_counter() - t1) / max(len(generated) - 1, 1)
-    text = tokenizer.decode(generated, skip_special_tokens=True)
-    return Answer(text, answer_logprob, logsm.cpu(), decode_s, question_s)
+    steps = len(generated) - j - 1
+    decode_s = (time.perf_counter() - t1) / steps if steps else float("nan")
+    return Answer(tokenizer.decode(generated, skip_special_tokens=True), answer_logprob, logsm.cpu(), decode_s, question_s)
 
 
 def compare_logits(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:

@@ -73,3 +73,23 @@ def test_question_tokens_are_stored_quantized_too(tiny, cell):
     layer = cache.layers[0]
     assert layer.res_k.shape[-2] == 0  # residual 0: every token went into packed storage
     assert layer.get_seq_length() > len(cell.prefill_ids)
+
+
+def test_shortcut_generation_equals_step_by_step_greedy(tiny, cell):
+    """The greedy text built from the teacher-forced pass is what step-by-step greedy decoding produces."""
+    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=128))
+    cache = PackedCache.from_kv(kv, get_method("fp16"))
+    device_ids = torch.tensor([cell.question_ids])
+    with torch.no_grad():
+        out = tiny.model(input_ids=device_ids, cache=cache, use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(5):
+            out = tiny.model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    greedy = tiny.tokenizer.decode(tokens)
+    # pretend the model's own greedy continuation is the expected answer: the shortcut must return it whole
+    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_kv(kv, get_method("fp16")), cell.question_ids, tokens[:4], 6)
+    assert ans.text == tiny.tokenizer.decode(tokens[:4])
+    # and with the true (unlikely) answer, generation diverges and is decoded step by step
+    other = ask(tiny.model, tiny.tokenizer, PackedCache.from_kv(kv, get_method("fp16")), cell.question_ids, cell.answer_ids, 6)
+    assert greedy.startswith(other.text)
