@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from scipy.special import betainc, gammaln
+from scipy.special import betainc, gammaln, ndtri
 
 _VERSION = 1  # bump if the algorithm changes, so stale disk files are not reused
 
@@ -64,9 +64,7 @@ def _lloyd_max(d: int, bits: int, tol: float = 1e-13, max_iter: int = 100_000) -
     levels = 1 << bits
     sigma = 1.0 / math.sqrt(d)
     # start from uniform-in-probability quantiles of N(0, 1/d), clipped into (-1, 1)
-    from scipy.stats import norm
-
-    c = np.clip(norm.ppf((np.arange(levels) + 0.5) / levels) * sigma, -0.999, 0.999)
+    c = np.clip(ndtri((np.arange(levels) + 0.5) / levels) * sigma, -0.999, 0.999)
     for _ in range(max_iter):
         bounds = np.concatenate([[-1.0], (c[1:] + c[:-1]) / 2, [1.0]])
         mass, moment = _cells(bounds, d)

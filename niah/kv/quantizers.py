@@ -1,0 +1,366 @@
+"""Scalar KV-cache quantizers: llama.cpp block formats, fp8/fp4 floats, KIVI, and the seed's sliding window.
+
+Registered methods (bits per value from the format; ``D`` = head_dim)
+--------------------------------------------------------------------
+``q8_0``  (8.5)
+    llama.cpp ``Q8_0``: blocks of 32 values along head_dim, one fp16 scale ``d = absmax / 127`` and int8
+    codes ``round(x / d)``.  Bit-exact with ``gguf.quants`` (see the tests).
+``q4_0``  (4.5)
+    llama.cpp ``Q4_0``: blocks of 32, ``d = m / -8`` where ``m`` is the block's value of largest magnitude (sign
+    kept), 4-bit codes ``min(15, trunc(x / d + 8.5))``, packed as ggml does.  Bit-exact with ``gguf.quants``.
+``fp8_e4m3``, ``fp8_e5m2``  (8)
+    float8 codes and one fp32 scale per (batch, KV head) per stored chunk.
+``fp4_e2m1``  (4.5)
+    1 sign, 2 exponent, 1 mantissa bit per value, one fp16 scale per block of 32.
+``kivi2_key``, ``kivi2_value``, ``kivi4_key``, ``kivi4_value``  (3 and 5)
+    KIVI (Liu et al., arXiv 2402.02750): asymmetric min/max, fp16 scale and zero point per group of 32; keys
+    per channel (groups of 32 tokens), values per token (groups of 32 channels); the newest 128 tokens stay in
+    full precision (``residual = 128``, kept by the cache).
+``sliding_window_asym3``  (3.0625)
+    The seed article's quantizer: 3-bit asymmetric min/max per channel over windows of 512 tokens.
+
+All of them compute in float32 and ``dequantize`` returns the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import KVQuantizer, Packed, check_kv_shape
+from .packing import pack_bits, unpack_bits
+from .registry import register
+
+BLOCK = 32  # values per scale along head_dim (llama.cpp QK8_0 = QK4_0 = 32; KIVI's group size)
+
+# Speed notes (CPU, one thread): fresh full-size tensors cost page faults, so each method allocates one
+# float32 working tensor and updates it in place; float -> uint8 casts are ~8x slower than float -> int8, so
+# small codes go through int8; fp8 -> float32 casts are slow for e4m3, so fp8 codes decode by table lookup.
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """``1 / d``, and 0 where ``d == 0`` (an all-zero block then gets code 0, as in ggml)."""
+    return torch.where(d == 0, 0.0, 1.0 / d)
+
+
+def _small_codes(v: torch.Tensor) -> torch.Tensor:
+    """Float ``v`` with values in ``[0, 127]`` -> uint8 codes, truncated toward zero (through int8, the fast cast)."""
+    return v.to(torch.int8).view(torch.uint8)
+
+
+def _check_blocks(name: str, head_dim: int, block: int) -> None:
+    if head_dim % block:
+        raise ValueError(
+            f"{name} quantizes blocks of {block} values along head_dim, so head_dim must be a multiple of {block} "
+            f"({', '.join(str(block * k) for k in range(1, 5))}, ...); got head_dim={head_dim}"
+        )
+
+
+class _HeadBlocks(KVQuantizer):
+    """Base for formats with ``code_bits``-bit codes and one fp16 scale per block of ``BLOCK`` values along head_dim."""
+
+    code_bits: ClassVar[int]
+
+    def check_head_dim(self, head_dim: int) -> None:
+        _check_blocks(self.name, head_dim, BLOCK)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (B, H, T, D)`` -> float32 ``(B, H, T, D/32, 32)``."""
+        check_kv_shape(x)
+        self.check_head_dim(x.shape[-1])
+        return x.float().unflatten(-1, (-1, BLOCK))
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return self.code_bits + 16 / BLOCK  # codes + one fp16 scale per block
+
+    @staticmethod
+    def _scaled(values: torch.Tensor, p: Packed) -> torch.Tensor:
+        """``values``: a float32 working tensor ``(B, H, T, D/32, 32)``, scaled in place by ``scales``
+        -> ``(B, H, T, D)`` in ``p.dtype``."""
+        return values.mul_(p.tensors["scales"].float().unsqueeze(-1)).flatten(-2).to(p.dtype)
+
+
+@dataclass
+class Q8_0(_HeadBlocks):
+    """llama.cpp ``Q8_0``.  Stored: ``codes: int8 (B, H, T, D)``, ``scales: fp16 (B, H, T, D/32)``.
+
+    As in ggml (and ``gguf.quants``), codes are ``roundf(x * (1/d))`` with the float32 ``d = absmax / 127``
+    (ties away from zero); only the stored scale is rounded to fp16 afterwards, and dequantize uses that fp16
+    scale.  A block with ``absmax / 127`` beyond the fp16 range gets an infinite scale, as in ggml.
+    """
+
+    name: str = "q8_0"
+    code_bits = 8
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        blocks = self._blocks(x)
+        a = blocks.abs()
+        d = a.amax(-1, keepdim=True) / 127
+        # roundf(x * (1/d)) = sign(x) * trunc(|x| * (1/d) + (0.5 - 2**-25)): adding the float32 just below 0.5 is
+        # exact or rounds the right way for every float32 (adding 0.5 itself would send 0.49999997 to 1)
+        codes = a.mul_(_inverse(d)).add_(0.5 - 2**-25).copysign_(blocks).to(torch.int8)
+        return Packed({"codes": codes.flatten(-2), "scales": d.squeeze(-1).half()}, tuple(x.shape), x.dtype)
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        return self._scaled(p.tensors["codes"].float().unflatten(-1, (-1, BLOCK)), p)
+
+
+def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
+    """``(..., 1)``: the first value of largest magnitude along the last dim, sign kept (numpy's argmax rule).
+
+    Computed from max and min; only blocks where ``max == -min`` (a tie in magnitude, or all zeros, where the
+    sign of the zero matters for the fp16 scale) need the position.
+    """
+    hi, lo = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)
+    m = torch.maximum(hi, -lo).copysign_(hi + lo)  # the sign of hi + lo says which side is larger
+    tie = (hi == -lo).squeeze(-1)
+    if tie.any():
+        tied = blocks[tie]
+        m[tie] = tied.gather(-1, tied.abs().argmax(-1, keepdim=True))
+    return m
+
+
+@dataclass
+class Q4_0(_HeadBlocks):
+    """llama.cpp ``Q4_0``.  Stored: ``codes: uint8 (B, H, T, D/2)``, ``scales: fp16 (B, H, T, D/32)``.
+
+    ``d = m / -8`` with ``m`` the first value of largest ``|x|`` in the block, codes
+    ``min(15, trunc(x * (1/d) + 8.5))`` in float32 (so ``m`` itself gets code 0 and values of the opposite
+    sign reach at most ``7 d``), scale rounded to fp16 after.  Bytes as in ggml's ``block_q4_0``: byte ``j`` of a
+    block holds value ``j`` in its low nibble and value ``j + 16`` in its high nibble.
+    """
+
+    name: str = "q4_0"
+    code_bits = 4
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        blocks = self._blocks(x)
+        d = _signed_absmax(blocks) / -8
+        codes = _small_codes((blocks * _inverse(d)).add_(8.5)).clamp_max_(15)
+        # ggml nibbles: byte j = code j | code j+16 << 4.  Every code is < 16, so shifting the 64-bit words of the
+        # second half-block by 4 moves each of its codes into the high nibble of its own byte.
+        halves = codes.view(torch.int64).unflatten(-1, (2, -1))  # (B, H, T, D/32, 2, 2): 16 codes per half
+        packed = (halves[..., 0, :] | halves[..., 1, :] << 4).view(torch.uint8)
+        return Packed({"codes": packed.flatten(-2), "scales": d.squeeze(-1).half()}, tuple(x.shape), x.dtype)
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        packed = p.tensors["codes"].unflatten(-1, (-1, BLOCK // 2))
+        values = torch.empty(*packed.shape[:-1], 2, BLOCK // 2, device=packed.device)
+        values[..., 0, :] = packed & 15
+        values[..., 1, :] = packed >> 4
+        return self._scaled(values.sub_(8).flatten(-2), p)
+
+
+def _e2m1_code_table() -> torch.Tensor:
+    """uint8 codes for ``j = ceil(4 |y|) * sign(y) + 24``, ``j`` in ``0 .. 48`` (``|y|`` clamped to 6).
+
+    Every rounding boundary between E2M1 magnitudes (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a multiple of 1/4,
+    so ``ceil(4 |y|)`` alone decides the magnitude: the number of boundaries ``b`` with ``4b < ceil(4 |y|)``,
+    i.e. ``b < |y|`` (a tie goes to the smaller magnitude).
+    """
+    j = torch.arange(-24, 25)
+    boundaries4 = torch.tensor([1, 3, 5, 7, 10, 14, 20])
+    magnitude = (boundaries4 < j.abs().unsqueeze(-1)).sum(-1)
+    return (magnitude | (j < 0) * 8).to(torch.uint8)
+
+
+_E2M1_CODES = _e2m1_code_table()
+_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of bit pattern 0b000 .. 0b111
+# (256, 2): the values of the two codes in each byte (low nibble first), to decode a whole byte at once
+_E2M1_PAIRS = torch.cat([_E2M1_VALUES, -_E2M1_VALUES])[
+    unpack_bits(torch.arange(256, dtype=torch.uint8).unsqueeze(-1), 4, 2).long()
+]
+
+
+@dataclass
+class FP4E2M1(_HeadBlocks):
+    """4-bit float: 1 sign, 2 exponent, 1 mantissa bit (values ``±{0, 0.5, 1, 1.5, 2, 3, 4, 6}``).
+
+    One fp16 scale ``absmax / 6`` per block of 32 along head_dim; ``x / scale`` (with the fp16 scale) is rounded
+    to the nearest representable magnitude, ties toward the smaller one.  Code = sign bit (bit 3) and the E2M1
+    bit pattern (bits 0-2), two codes per byte (:func:`pack_bits`, 4 bits).
+    Stored: ``codes: uint8 (B, H, T, D/2)``, ``scales: fp16 (B, H, T, D/32)``.
+    """
+
+    name: str = "fp4_e2m1"
+    code_bits = 4
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        blocks = self._blocks(x)
+        a = blocks.abs()
+        scale = (a.amax(-1, keepdim=True) / 6).half()
+        j = a.mul_(4 * _inverse(scale.float())).ceil_().clamp_max_(24).copysign_(blocks).add_(24)
+        codes = _E2M1_CODES.to(x.device).index_select(0, j.to(torch.int32).flatten()).view(x.shape)
+        return Packed({"codes": pack_bits(codes, 4), "scales": scale.squeeze(-1)}, tuple(x.shape), x.dtype)
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        packed = p.tensors["codes"]
+        values = _E2M1_PAIRS.to(packed.device).index_select(0, packed.flatten().to(torch.int32))
+        return self._scaled(values.view(*p.shape[:-1], -1, BLOCK), p)
+
+
+@dataclass
+class FP8(KVQuantizer):
+    """float8 codes with one fp32 scale ``absmax / finfo.max`` per (batch, KV head) over the stored chunk.
+
+    ``fp8_e4m3`` (``torch.float8_e4m3fn``, max 448) is vLLM's default fp8 KV-cache dtype (``kv_cache_dtype="fp8"``);
+    ``fp8_e5m2`` (max 57344) is the "5-bit exponent + 2-bit mantissa" format of claim S3-9.  The scale is taken
+    over the tokens and head_dim of each ``quantize`` call, so a chunk of one token has a per-token scale.
+    Stored: ``codes: float8 (B, H, T, D)``, ``scales: fp32 (B, H)``.  ``analytical_bits`` is 8: the scale adds
+    ``32 / (tokens * D)`` bits per value, under 1% for chunks of 4 tokens or more at ``D >= 128``.
+    """
+
+    name: str = "fp8_e4m3"
+    fp8: torch.dtype = torch.float8_e4m3fn
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        check_kv_shape(x)
+        a = x.float().abs()
+        scale = a.amax((-2, -1)) / torch.finfo(self.fp8).max
+        scale = torch.where(scale == 0, 1.0, scale)  # an all-zero head: any scale gives zero codes
+        # |x / scale| <= max * (1 + 2**-22), which the cast rounds to max (not to inf/NaN): no clamp needed
+        codes = torch.div(x, scale[..., None, None], out=a).to(self.fp8)  # reuses the |x| buffer
+        return Packed({"codes": codes, "scales": scale}, tuple(x.shape), x.dtype)
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        codes = p.tensors["codes"]
+        table = torch.arange(256, dtype=torch.uint8, device=codes.device).view(self.fp8).float()  # code -> value
+        values = table.index_select(0, codes.view(torch.uint8).flatten().to(torch.int32)).view(p.shape)
+        return values.mul_(p.tensors["scales"][..., None, None]).to(p.dtype)
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return 8.0
+
+
+def _minmax_quantize(x: torch.Tensor, bits: int, size: int, dim: int) -> dict[str, torch.Tensor]:
+    """Asymmetric min/max quantization of ``x: (B, H, T, D)`` in groups of ``size`` along ``dim``.
+
+    ``dim = -2``: groups of ``size`` consecutive tokens per channel; ``dim = -1``: groups of ``size`` channels
+    per token.  A shorter last group is allowed (the tensor is padded by repeating its last slice, which leaves
+    that group's min and max unchanged).  Per group: ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``,
+    both fp16; codes ``clamp(round((x - zero) / scale), 0, 2**bits - 1)`` with the fp16 values.
+    Returns ``codes: uint8 (B, H, T, packed D)`` and ``scales``, ``zeros``: fp16, ``x``'s shape with ``dim``
+    reduced to ``ceil(len / size)``.
+    """
+    n, levels = x.shape[dim], 2**bits - 1
+    groups = _pad_groups(x.float(), size, dim)
+    lo, hi = groups.amin(dim, keepdim=True), groups.amax(dim, keepdim=True)
+    zero, scale = lo.half(), ((hi - lo) / levels).half()
+    codes = _small_codes((groups - zero.float()).mul_(_inverse(scale.float())).round_().clamp_(0, levels))
+    codes = codes.flatten(dim - 1, dim).narrow(dim, 0, n)
+    return {"codes": pack_bits(codes, bits), "scales": scale.squeeze(dim), "zeros": zero.squeeze(dim)}
+
+
+def _minmax_dequantize(p: Packed, bits: int, size: int, dim: int) -> torch.Tensor:
+    """Inverse of :func:`_minmax_quantize` for ``p`` -> ``(B, H, T, D)`` in ``p.dtype``."""
+    t = p.tensors
+    codes = unpack_bits(t["codes"], bits, p.shape[-1])
+    groups = _pad_groups(codes, size, dim).float()
+    x = groups.mul_(t["scales"].unsqueeze(dim).float()).add_(t["zeros"].unsqueeze(dim).float())
+    return x.flatten(dim - 1, dim).narrow(dim, 0, p.shape[dim]).to(p.dtype)
+
+
+def _pad_groups(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """``x`` with ``dim`` split into ``(groups, size)``, padded at the end by repeating its last slice."""
+    n = x.shape[dim]
+    if n % size:
+        x = x.index_select(dim, torch.arange(n + -n % size, device=x.device).clamp_max_(n - 1))
+    return x.unflatten(dim, (-1, size))
+
+
+@dataclass
+class KIVI(KVQuantizer):
+    """KIVI (arXiv 2402.02750): ``bits``-bit asymmetric min/max, fp16 scale and zero point per group of 32.
+
+    ``role="key"``: per channel, groups of 32 consecutive tokens (``token_group = 32``; head_dim is free).
+    ``role="value"``: per token, groups of 32 channels (head_dim must be a multiple of 32).
+    ``residual = 128``: the cache keeps the newest 128 tokens in full precision, as KIVI does.
+    Stored: ``codes: uint8 (B, H, T, D * bits / 8)``, ``scales``, ``zeros``: fp16 ``(B, H, T/32, D)`` for keys,
+    ``(B, H, T, D/32)`` for values; ``bits + 1`` bits per value either way.
+    """
+
+    name: str = "kivi2_key"
+    bits: int = 2
+    role: str = "key"
+    residual = 128
+
+    def __post_init__(self):
+        if self.role not in ("key", "value"):
+            raise ValueError(f"{self.name}: role must be 'key' or 'value'; got {self.role!r}")
+
+    @property
+    def token_group(self) -> int:
+        return BLOCK if self.role == "key" else 1
+
+    @property
+    def _dim(self) -> int:
+        return -2 if self.role == "key" else -1
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.role == "value":
+            _check_blocks(self.name, head_dim, BLOCK)
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        check_kv_shape(x)
+        self.check_head_dim(x.shape[-1])
+        if x.shape[-2] % self.token_group:
+            raise ValueError(
+                f"{self.name} quantizes keys per channel in groups of {BLOCK} tokens; got {x.shape[-2]} tokens "
+                f"(the cache must pass whole groups: token_group = {BLOCK})"
+            )
+        return Packed(_minmax_quantize(x, self.bits, BLOCK, self._dim), tuple(x.shape), x.dtype)
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        return _minmax_dequantize(p, self.bits, BLOCK, self._dim)
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return self.bits + 32 / BLOCK
+
+
+@dataclass
+class SlidingWindowAsym3(KVQuantizer):
+    """The seed article's quantizer: 3-bit asymmetric min/max with statistics over a window of 512 tokens.
+
+    Per channel, the tokens of each stored chunk are split into consecutive windows of ``window`` tokens (the
+    last one may be shorter); each (window, channel) gets an fp16 min (zero point) and fp16 scale
+    ``(max - min) / 7``, and every value a 3-bit code, packed densely.
+    Stored: ``codes: uint8 (B, H, T, 3D/8)``, ``scales``, ``zeros``: fp16 ``(B, H, ceil(T/512), D)``;
+    ``3 + 32/512`` bits per value for whole windows (a shorter last window costs more).
+
+    The seed's "attention-weighted compensation" is left out: it needs attention weights, which the cache does
+    not see when it stores keys and values, and the seed does not define it, so any version would be our
+    invention, not the seed's method.
+    """
+
+    name: str = "sliding_window_asym3"
+    bits: int = 3
+    window: int = 512
+
+    @property
+    def token_group(self) -> int:
+        """The cache stores whole windows: the newest (< 512) tokens wait in full precision until a window fills."""
+        return self.window
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        check_kv_shape(x)
+        return Packed(_minmax_quantize(x, self.bits, self.window, -2), tuple(x.shape), x.dtype)
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        return _minmax_dequantize(p, self.bits, self.window, -2)
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return self.bits + 32 / self.window
+
+
+register("q8_0")(Q8_0)
+register("q4_0")(Q4_0)
+register("fp4_e2m1")(FP4E2M1)
+register("fp8_e4m3")(FP8)
+register("fp8_e5m2")(functools.partial(FP8, "fp8_e5m2", torch.float8_e5m2))
+register("sliding_window_asym3")(SlidingWindowAsym3)
+for _bits in (2, 4):
+    for _role in ("key", "value"):
+        register(f"kivi{_bits}_{_role}")(functools.partial(KIVI, f"kivi{_bits}_{_role}", _bits, _role))

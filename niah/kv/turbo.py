@@ -1,0 +1,399 @@
+"""TurboQuant KV-cache quantizers (Zandieh et al., "TurboQuant: Online Vector Quantization with
+Near-optimal Distortion Rate", arXiv 2504.19874).
+
+Every stored vector ``x`` (one token of one KV head) is split into its norm ``||x||`` (kept as fp16) and its
+direction ``u = x / ||x||``.  The direction is multiplied by a Haar-random rotation ``Pi``; each coordinate
+of ``Pi u`` then follows the known density of Lemma 1 (see :mod:`niah.kv.codebooks`), and is replaced by the
+index of its nearest Lloyd-Max centroid for that density, packed densely at ``b`` bits.
+
+Registered methods
+------------------
+``turbo2, turbo3, turbo4``
+    ``TurboQuant_mse`` (Algorithm 1): ``b`` bits per coordinate.  Stored per token and head: ``d`` codes of
+    ``b`` bits and one fp16 norm, so ``analytical_bits = b + 16/d``.
+``turbo2_prod, turbo3_prod, turbo4_prod``
+    ``TurboQuant_prod`` (Algorithm 2): ``b-1`` bits of ``TurboQuant_mse``, then the 1-bit QJL sketch
+    ``sign(S r)`` of the residual ``r = u - u_hat_mse`` with an i.i.d. ``N(0,1)`` matrix ``S``, plus
+    ``||r||`` in fp16: ``analytical_bits = b + 32/d``.  ``dequantize`` returns
+    ``||x|| (u_hat_mse + ||r|| sqrt(pi/2)/d S^T sign(S r))``, whose inner product with any query is the
+    paper's unbiased estimator.  The sketch is taken of the residual in the rotated basis, ``S (Pi r)``; that
+    is the same as applying the Gaussian matrix ``S Pi`` to ``r``, and ``S Pi`` is itself i.i.d. ``N(0,1)``
+    (Gaussian matrices are rotation invariant), so it is exactly the paper's construction and saves a matmul.
+``turbo2.5, turbo3.5``
+    Mixed precision over channels (paper, Section 4.3: "splitting channels into outlier and non-outlier
+    sets, and applying two independent instances of TurboQuant to each, allocating higher bit precision to
+    outliers").  The paper states its 2.5-bit example as "32 outlier channels are quantized at 3 bits, while
+    the remaining 96 channels use 2 bits, leading to an effective bit precision of (32x3 + 96x2)/128 = 2.5";
+    that arithmetic actually gives 2.25, and the paper gives no split for 3.5.  We use the split that makes
+    the names exact and keeps the paper's bit widths: half the channels (``d/2``) at ``b+1`` bits and half at
+    ``b`` bits, i.e. ``turbo2.5`` = ``d/2`` ch at 3 bits + ``d/2`` at 2 bits, ``turbo3.5`` = ``d/2`` at 4 +
+    ``d/2`` at 3.  Outlier rule: per (batch, KV head) and per quantized block, the ``d/2`` channels (in the
+    original, un-rotated basis) with the largest RMS over the block's tokens (ties to the lower channel
+    index).  Each group gets its own rotation (of dimension ``d/2``), its own codebook and its own fp16 norm,
+    so ``analytical_bits = b + 0.5 + 32/d``.  The channel choice is stored as a 1-bit mask, ``d`` bits per
+    (batch, head) per block: it is counted in ``nbytes`` but not in ``analytical_bits`` (it adds
+    ``1/tokens`` bits per value, e.g. 0.0002 for a 4096-token block, but a full bit per value on a block of a
+    single token, as in decode steps with ``residual = 0``).  Choosing per block keeps every :class:`Packed`
+    self-contained; the paper does not say how its outlier channels are picked.
+
+Rotations and seeds
+-------------------
+``Pi`` is the Q factor of the QR decomposition of a ``d x d`` standard Gaussian matrix, sign-fixed by
+``diag(R)`` so that it is exactly Haar distributed.  There is one per (decoder layer, KV head) (per group for
+the split variants), and ``S`` likewise; each is generated from a seed derived from
+``(seed, layer_idx, head, kind)`` with ``numpy.random.SeedSequence``, so keys and values of a layer share them
+and they are fully reproducible.  They are *not* stored with the cache and not counted as per-token storage:
+any reader regenerates them from the seed (cost: ``O(d^3)`` once per layer and head, amortized over all
+tokens; kept in a process-wide cache shared by all quantizer instances, so each new cache reuses them).
+:meth:`for_layer` returns a copy seeded for that layer.
+
+Speed: quantize and dequantize are one ``(tokens x d) @ (d x d)`` matmul per head (two for ``_prod``) plus a
+few elementwise passes; the dense rotation makes them matmul-bound, several times the cost of a copy.
+
+Constraints: ``head_dim`` must be a multiple of 8 and at least 16 (a multiple of 16 for ``turbo2.5`` and
+``turbo3.5``).  Multiples of 8 let every code width pack into whole bytes with no padding; below 16 the fp16
+norm alone costs a bit or more per value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .base import KVQuantizer, Packed, check_kv_shape
+from .codebooks import lloyd_max_codebook
+from .packing import pack_bits, unpack_bits
+from .registry import register
+
+_KIND = {"rot": 0, "qjl": 1, "rot_hi": 2, "rot_lo": 3}
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def derived_seed(seed: int, layer_idx: int, head: int, kind: str) -> int:
+    """A 63-bit generator seed for one (base seed, layer, head, matrix kind)."""
+    state = np.random.SeedSequence([int(seed), int(layer_idx), int(head), _KIND[kind]]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def haar_rotation(dim: int, seed: int) -> torch.Tensor:
+    """A Haar-random ``dim x dim`` orthogonal matrix (float64): QR of a Gaussian matrix, sign-fixed by diag(R)."""
+    return torch.from_numpy(_orthonormalize_columns(gaussian_matrix(dim, seed).numpy()))
+
+
+def _orthonormalize_columns(a: np.ndarray) -> np.ndarray:
+    """The Q of ``a = QR`` with ``diag(R) > 0`` (classical Gram-Schmidt, applied twice per column).
+
+    This is exactly LAPACK's Q times ``sign(diag(R))`` (agreement ~1e-15), but uses only elementwise numpy:
+    a threaded BLAS/LAPACK QR of a 128 x 128 matrix can take 100x longer on a busy 2-core machine.
+    """
+    d = a.shape[1]
+    q = np.empty_like(a)
+    for j in range(d):
+        v = a[:, j].copy()
+        if j:
+            qj = q[:, :j]
+            for _ in range(2):
+                v -= (qj * (qj * v[:, None]).sum(0)).sum(1)
+        q[:, j] = v / np.sqrt((v * v).sum())
+    return q
+
+
+def gaussian_matrix(dim: int, seed: int) -> torch.Tensor:
+    """An i.i.d. ``N(0, 1)`` ``dim x dim`` matrix (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(dim, dim, generator=g, dtype=torch.float64)
+
+
+class _Codebook:
+    """One ``(dim, bits)`` codebook on one device, with the lookup tables that make coding fast.
+
+    Encoding (nearest centroid): for ``bits <= 2``, a sum of comparisons against the ``2^bits - 1`` midpoints;
+    for more bits, a uniform grid over ``[-1, 1]`` fine enough that each cell holds at most one midpoint:
+    ``code = lut_code[cell] + (y > lut_mid[cell])``.  Both give exactly ``torch.bucketize(y, midpoints)``
+    (the nearest centroid; exact ties go to the lower one), several times faster than ``bucketize`` on CPU.
+    Decoding: for ``bits`` in {1, 2, 4}, a 256-row table maps each packed byte straight to its centroids.
+    """
+
+    def __init__(self, dim: int, bits: int, device: torch.device):
+        c = lloyd_max_codebook(dim, bits)
+        mids = (c[1:] + c[:-1]) / 2
+        self.bits = bits
+        self.centroids = torch.tensor(c, dtype=torch.float32, device=device)
+        self.mids = torch.tensor(mids, dtype=torch.float32, device=device)
+        self.mid_list = [float(m) for m in self.mids]  # the float32 values, as python scalars
+        if bits > 2:
+            m32 = self.mids.double().cpu().numpy()
+            cells = max(256, int(math.ceil(2.0 / (float(np.min(np.diff(m32))) / 2))))
+            # keep every midpoint >= 1e-3 cell widths from a cell edge: then a float32 rounding of the cell
+            # index (< 1e-3 widths) can move ``y`` only across an edge with no midpoint nearby, which does not
+            # change the code
+            while True:
+                frac = np.mod((m32 + 1.0) * cells / 2.0, 1.0)
+                if np.min(np.minimum(frac, 1.0 - frac)) > 1e-3:
+                    break
+                cells += 1
+            width = 2.0 / cells
+            edges = -1.0 + width * np.arange(cells)
+            lo = np.searchsorted(m32, edges, side="left")  # midpoints strictly left of the cell
+            ext = np.append(m32, np.inf)
+            inside = np.where(ext[lo] < edges + width, ext[lo], np.inf)  # the midpoint in the cell, if any
+            self.cells, self.scale = cells, 1.0 / width
+            self.lut_code = torch.tensor(lo, dtype=torch.uint8, device=device)
+            self.lut_mid = torch.tensor(inside, dtype=torch.float32, device=device)
+        self._byte_table = None
+        self._sign_table = None
+
+    def encode(self, y: torch.Tensor) -> torch.Tensor:
+        """Nearest-centroid indices (uint8, same shape as ``y``)."""
+        if self.bits <= 2:
+            codes = torch.gt(y, self.mid_list[0]).to(torch.uint8)
+            for m in self.mid_list[1:]:
+                codes += torch.gt(y, m)
+            return codes
+        flat = y.reshape(-1)
+        cell = torch.mul(flat, self.scale).add_(self.scale).clamp_(0, self.cells - 1).to(torch.int32)
+        codes = torch.index_select(self.lut_code, 0, cell)
+        codes += torch.index_select(self.lut_mid, 0, cell) < flat
+        return codes.view(y.shape)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Centroid values (float32) of unpacked codes."""
+        return torch.index_select(self.centroids, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+
+    def decode_packed(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """Centroid values ``(..., n)`` of codes packed by :func:`pack_bits` along the last dim."""
+        table = self._table()
+        if table is None:
+            return self.decode(unpack_bits(packed, self.bits, n))
+        out = torch.index_select(table, 0, packed.reshape(-1).to(torch.int32))
+        return out.view(*packed.shape[:-1], n)
+
+    def sign_values(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """+-1.0 (float32) for 1-bit codes packed along the last dim (1 -> +1, 0 -> -1)."""
+        if self._sign_table is None:
+            self._sign_table = False
+            table = self._table()  # a 1-bit codebook's centroids are symmetric: use the layout check of _table
+            if table is not None:
+                self._sign_table = torch.sign(table).contiguous()
+        if self._sign_table is False:
+            return unpack_bits(packed, 1, n).float().mul_(2).sub_(1)
+        return torch.index_select(self._sign_table, 0, packed.reshape(-1).to(torch.int32)).view(*packed.shape[:-1], n)
+
+    def _table(self) -> torch.Tensor | None:
+        """``(256, 8 // bits)`` centroids of each byte value, or None if the packing layout does not allow it."""
+        if self._byte_table is None:
+            table = False
+            if self.bits in (1, 2, 4):
+                per = 8 // self.bits
+                device = self.centroids.device
+                all_bytes = torch.arange(256, dtype=torch.uint8, device=device).view(256, 1)
+                byte_codes = unpack_bits(all_bytes, self.bits, per).long()
+                # the table is valid only if each byte holds ``per`` consecutive codes; check on a random row
+                g = torch.Generator().manual_seed(0)
+                probe = torch.randint(0, 1 << self.bits, (3, 64), generator=g, dtype=torch.uint8).to(device)
+                packed = pack_bits(probe, self.bits)
+                looked_up = byte_codes[packed.long()].reshape(3, -1)
+                if looked_up.shape[-1] == 64 and torch.equal(looked_up, probe.long()):
+                    table = self.centroids[byte_codes].contiguous()
+            self._byte_table = table
+        return self._byte_table if self._byte_table is not False else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_matrices(kind: str, seed: int, layer_idx: int, dim: int, heads: int, device: str) -> torch.Tensor:
+    """Shared by every quantizer instance (each new cache makes new per-layer copies, which reuse these)."""
+    make = gaussian_matrix if kind == "qjl" else haar_rotation
+    m = torch.stack([make(dim, derived_seed(seed, layer_idx, h, kind)) for h in range(heads)])
+    return m.to(device=device, dtype=torch.float32).contiguous()
+
+
+_CODEBOOKS: dict = {}
+
+
+def _codebook(dim: int, bits: int, device: torch.device) -> _Codebook:
+    key = (dim, bits, str(device))
+    if key not in _CODEBOOKS:
+        _CODEBOOKS[key] = _Codebook(dim, bits, device)
+    return _CODEBOOKS[key]
+
+
+def _norm16(norm: torch.Tensor) -> torch.Tensor:
+    """fp16 copy of ``(..., 1)`` norms, shape ``(...)``; clamped to the fp16 range."""
+    return norm.squeeze(-1).clamp_max(_FP16_MAX).to(torch.float16)
+
+
+def _rotate_normalized(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, norm)``: ``y = Pi (x / ||x||)`` (float32, ``(B,H,T,dim)``) and ``norm`` ``(B,H,T,1)``.
+
+    Rotates first and divides after (the same numbers, one pass fewer).  A zero vector gets ``y = 0``.
+    """
+    x = x.float()
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    y = torch.matmul(x, rot.transpose(-1, -2))
+    y.div_(norm.clamp_min(torch.finfo(torch.float32).tiny))
+    return y, norm
+
+
+def _unrotate_scaled(y: torch.Tensor, rot: torch.Tensor, norm16: torch.Tensor) -> torch.Tensor:
+    """``norm * Pi^T y`` for row vectors ``y``: scale first (in place), then one matmul."""
+    y.mul_(norm16.float().unsqueeze(-1))
+    return torch.matmul(y, rot)
+
+
+@dataclass
+class _Turbo(KVQuantizer):
+    """Shared machinery: seeds, per-head matrices, checks."""
+
+    name: str = "turbo"
+    seed: int = 0
+    layer_idx: int = 0
+
+    def for_layer(self, layer_idx: int) -> "_Turbo":
+        return dataclasses.replace(self, layer_idx=layer_idx)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim < 16 or head_dim % 8:
+            raise ValueError(
+                f"{self.name}: head_dim must be a multiple of 8 and at least 16 (codes pack into whole bytes; "
+                f"below 16 the fp16 norm alone costs >= 1 bit per value); got head_dim={head_dim}"
+            )
+
+    def _check(self, x: torch.Tensor) -> None:
+        check_kv_shape(x)
+        self.check_head_dim(x.shape[-1])
+
+    def _matrices(self, kind: str, dim: int, heads: int, device: torch.device) -> torch.Tensor:
+        """``(heads, dim, dim)`` float32: this layer's per-head rotations (or QJL matrices), from the seed."""
+        return _layer_matrices(kind, self.seed, self.layer_idx, dim, heads, str(device))
+
+
+@dataclass
+class TurboQuantMSE(_Turbo):
+    """``TurboQuant_mse`` at ``bits`` bits per coordinate (Algorithm 1)."""
+
+    name: str = "turbo3"
+    bits: int = 3
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return self.bits + 16 / head_dim
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        self._check(x)
+        b, h, t, d = x.shape
+        y, norm = _rotate_normalized(x, self._matrices("rot", d, h, x.device))
+        codes = _codebook(d, self.bits, x.device).encode(y)
+        tensors = {"codes": pack_bits(codes, self.bits), "norm": _norm16(norm)}
+        return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        b, h, t, d = p.shape
+        codes = p.tensors["codes"]
+        y = _codebook(d, self.bits, codes.device).decode_packed(codes, d)
+        return _unrotate_scaled(y, self._matrices("rot", d, h, codes.device), p.tensors["norm"]).to(p.dtype)
+
+
+@dataclass
+class TurboQuantProd(_Turbo):
+    """``TurboQuant_prod`` at ``bits`` bits per coordinate: ``bits-1`` MSE bits plus a 1-bit QJL residual."""
+
+    name: str = "turbo3_prod"
+    bits: int = 3
+
+    def __post_init__(self):
+        if self.bits < 2:
+            raise ValueError(f"{self.name}: TurboQuant_prod needs bits >= 2 (bits-1 for the MSE stage, 1 for QJL)")
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return self.bits + 32 / head_dim
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        self._check(x)
+        b, h, t, d = x.shape
+        mb = self.bits - 1
+        book = _codebook(d, mb, x.device)
+        y, norm = _rotate_normalized(x, self._matrices("rot", d, h, x.device))
+        codes = book.encode(y)
+        r = y.sub_(book.decode(codes))  # residual in the rotated basis (same norm as u - u_hat_mse)
+        rnorm = torch.linalg.vector_norm(r, dim=-1)
+        sketch = torch.matmul(r, self._matrices("qjl", d, h, x.device).transpose(-1, -2))  # rows of (S r)^T
+        tensors = {
+            "codes": pack_bits(codes, mb),
+            "norm": _norm16(norm),
+            "signs": pack_bits((sketch >= 0).to(torch.uint8), 1),
+            "rnorm": rnorm.to(torch.float16),
+        }
+        return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        b, h, t, d = p.shape
+        codes = p.tensors["codes"]
+        dev = codes.device
+        y = _codebook(d, self.bits - 1, dev).decode_packed(codes, d)
+        signs = _codebook(d, 1, dev).sign_values(p.tensors["signs"], d)  # +-1
+        qjl = torch.matmul(signs, self._matrices("qjl", d, h, dev))  # rows of (S^T sign(S r))^T
+        y.addcmul_(qjl, p.tensors["rnorm"].float().unsqueeze(-1), value=math.sqrt(math.pi / 2) / d)
+        return _unrotate_scaled(y, self._matrices("rot", d, h, dev), p.tensors["norm"]).to(p.dtype)
+
+
+@dataclass
+class TurboQuantSplit(_Turbo):
+    """Fractional bits: the ``d/2`` highest-RMS channels at ``bits_hi``, the rest at ``bits_lo`` (MSE variant)."""
+
+    name: str = "turbo2.5"
+    bits_hi: int = 3
+    bits_lo: int = 2
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return (self.bits_hi + self.bits_lo) / 2 + 32 / head_dim
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim < 16 or head_dim % 16:
+            raise ValueError(
+                f"{self.name}: head_dim must be a multiple of 16 (two channel halves, each a multiple of 8 so "
+                f"codes pack into whole bytes); got head_dim={head_dim}"
+            )
+
+    @staticmethod
+    def _perm(mask: torch.Tensor) -> torch.Tensor:
+        """Channel order: outliers (mask 1) first, then the rest, each ascending.  ``(B, H, d)`` int64."""
+        return torch.argsort(1 - mask.to(torch.int8), dim=-1, stable=True)
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        self._check(x)
+        b, h, t, d = x.shape
+        k = d // 2
+        xf = x.float()
+        ms = xf.square().mean(dim=-2)  # (B, H, d): mean square over the block's tokens (same order as RMS)
+        top = torch.argsort(ms, dim=-1, descending=True, stable=True)[..., :k]
+        mask = torch.zeros(b, h, d, dtype=torch.uint8, device=x.device).scatter_(-1, top, 1)
+        xp = torch.gather(xf, -1, self._perm(mask).unsqueeze(-2).expand(b, h, t, d))
+        tensors = {"outlier_mask": pack_bits(mask, 1)}
+        for part, xs, bits in (("hi", xp[..., :k], self.bits_hi), ("lo", xp[..., k:], self.bits_lo)):
+            y, norm = _rotate_normalized(xs, self._matrices(f"rot_{part}", k, h, x.device))
+            tensors[f"codes_{part}"] = pack_bits(_codebook(k, bits, x.device).encode(y), bits)
+            tensors[f"norm_{part}"] = _norm16(norm)
+        return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        b, h, t, d = p.shape
+        k = d // 2
+        dev = p.tensors["outlier_mask"].device
+        parts = []
+        for part, bits in (("hi", self.bits_hi), ("lo", self.bits_lo)):
+            y = _codebook(k, bits, dev).decode_packed(p.tensors[f"codes_{part}"], k)
+            parts.append(_unrotate_scaled(y, self._matrices(f"rot_{part}", k, h, dev), p.tensors[f"norm_{part}"]))
+        xp = torch.cat(parts, dim=-1)
+        perm = self._perm(unpack_bits(p.tensors["outlier_mask"], 1, d)).unsqueeze(-2).expand(b, h, t, d)
+        return torch.empty_like(xp).scatter_(-1, perm, xp).to(p.dtype)
+
+
+for _b in (2, 3, 4):
+    register(f"turbo{_b}")(lambda b=_b: TurboQuantMSE(f"turbo{b}", bits=b))
+    register(f"turbo{_b}_prod")(lambda b=_b: TurboQuantProd(f"turbo{b}_prod", bits=b))
+register("turbo2.5")(lambda: TurboQuantSplit("turbo2.5", bits_hi=3, bits_lo=2))
+register("turbo3.5")(lambda: TurboQuantSplit("turbo3.5", bits_hi=4, bits_lo=3))
