@@ -51,8 +51,8 @@ def test_protocol_matches_one_full_forward(tiny, cell):
 
 def test_memoized_dequantization_changes_no_number(tiny, cell):
     kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=128))
-    a = _ask(tiny, kv, cell, "bf16", keep=True)
-    b = _ask(tiny, kv, cell, "bf16", keep=False)
+    a = _ask(tiny, kv, cell, "kivi2", keep=True)
+    b = _ask(tiny, kv, cell, "kivi2", keep=False)
     assert a.text == b.text
     torch.testing.assert_close(a.answer_logsoftmax, b.answer_logsoftmax, atol=0, rtol=0)
 

@@ -17,7 +17,7 @@ def test_smollm2_finds_a_needle_at_1k_deterministically(tmp_path):
     raw["niah"] = {**base["niah"], "lengths": [1024], "depths": [0.5], "trials": 1, "methods": ["fp16"]}
     cfg = validate(raw)
     lm = load_model(cfg["model"])
-    assert lm.native_context == 8192 and lm.max_context == 16384
+    assert lm.native_context == 8192 and lm.max_context == 20480
     first = read_rows(run_grid(cfg, lm, tmp_path / "a.jsonl", progress=False))
     second = read_rows(run_grid(cfg, lm, tmp_path / "b.jsonl", progress=False))
     assert first[0]["status"] == "ok" and first[0]["score"] == 1.0, first[0]["generated"]

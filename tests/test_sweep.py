@@ -33,7 +33,7 @@ def test_memory_budget_is_an_oom_status_and_the_sweep_goes_on(smoke_cfg, tiny, t
     rows = {(r["method"], r["length"]): r for r in read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))}
     assert rows[("fp16", 64)]["status"] == "ok"
     assert rows[("fp16", 256)]["status"] == "oom" and "budget" in rows[("fp16", 256)]["reason"]
-    assert rows[("bf16", 512)]["status"] == "oom"
+    assert rows[("turbo3", 512)]["status"] == "oom"
 
 
 def test_a_killed_sweep_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, monkeypatch):
