@@ -21,3 +21,28 @@ def tiny(smoke_cfg):
 
     torch.set_num_threads(1)
     return load_model(smoke_cfg["model"])
+
+
+@pytest.fixture
+def killed_after(monkeypatch):
+    """``killed_after(n)``: the results table dies (KeyboardInterrupt) on its (n+1)-th append; ``.revive()`` undoes it."""
+    from niah.results import ResultsTable
+
+    real = ResultsTable.append
+
+    class Kill:
+        def __init__(self, n):
+            left = [n]
+
+            def append(table, row):
+                if left[0] == 0:
+                    raise KeyboardInterrupt("killed")
+                left[0] -= 1
+                real(table, row)
+
+            monkeypatch.setattr(ResultsTable, "append", append)
+
+        def revive(self):
+            monkeypatch.setattr(ResultsTable, "append", real)
+
+    return Kill

@@ -2,7 +2,7 @@ import pytest
 
 from niah.config import validate
 from niah.grid import KEY, cells, run_grid
-from niah.results import ResultsTable, read_rows
+from niah.results import read_rows
 
 
 def _cfg(smoke_cfg, **niah):
@@ -36,25 +36,18 @@ def test_shared_prefix_gives_the_same_answers_as_separate_prefills(smoke_cfg, ti
         assert r["generated"] == by[r["depth"]]["generated"]
 
 
-def test_a_killed_grid_resumes_without_losing_or_duplicating_rows(smoke_cfg, tiny, tmp_path, monkeypatch):
+def test_a_killed_grid_resumes_without_losing_or_duplicating_rows(smoke_cfg, tiny, tmp_path, killed_after):
     cfg = _cfg(smoke_cfg, lengths=[300], depths=[0.0, 0.5, 1.0])
     path = tmp_path / "r.jsonl"
-    real_append, calls = ResultsTable.append, {"n": 0}
-
-    def dying_append(self, row):
-        if calls["n"] == 3:
-            raise KeyboardInterrupt("killed")
-        calls["n"] += 1
-        real_append(self, row)
-
-    monkeypatch.setattr(ResultsTable, "append", dying_append)
+    kill = killed_after(3)
     with pytest.raises(KeyboardInterrupt):
         run_grid(cfg, tiny, path, progress=False)
-    monkeypatch.setattr(ResultsTable, "append", real_append)
+    kill.revive()
     assert len(read_rows(path)) == 3
     rows = read_rows(run_grid(cfg, tiny, path, progress=False))
     keys = [tuple(r[k] for k in KEY) for r in rows]
     assert len(keys) == len(set(keys)) == len(cells(cfg)) * len(cfg["niah"]["methods"])
+
 
 
 def test_too_long_cells_are_recorded_and_the_grid_goes_on(smoke_cfg, tiny, tmp_path):

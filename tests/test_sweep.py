@@ -2,7 +2,7 @@ import pytest
 
 from niah.config import validate
 from niah.fits import polyfit
-from niah.results import ResultsTable, read_rows
+from niah.results import read_rows
 from niah.sweep import KEY, run_sweep
 
 
@@ -36,24 +36,18 @@ def test_memory_budget_is_an_oom_status_and_the_sweep_goes_on(smoke_cfg, tiny, t
     assert rows[("turbo3", 512)]["status"] == "oom"
 
 
-def test_a_killed_sweep_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, monkeypatch):
+def test_a_killed_sweep_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, killed_after):
     cfg = _cfg(smoke_cfg)
-    path = tmp_path / "s.jsonl"
-    real, calls = ResultsTable.append, {"n": 0}
-
-    def dying(self, row):
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        calls["n"] += 1
-        real(self, row)
-
-    monkeypatch.setattr(ResultsTable, "append", dying)
+    path = tmp_path / "r.jsonl"
+    kill = killed_after(3)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(cfg, tiny, path, progress=False)
-    monkeypatch.setattr(ResultsTable, "append", real)
+    kill.revive()
+    assert len(read_rows(path)) == 3
     rows = read_rows(run_sweep(cfg, tiny, path, progress=False))
     keys = [tuple(r[k] for k in KEY) for r in rows]
     assert len(keys) == len(set(keys)) == len(cfg["sweep"]["lengths"]) * len(cfg["sweep"]["methods"])
+
 
 
 def test_unknown_sweep_setting_is_named(smoke_cfg, tiny, tmp_path):
