@@ -323,14 +323,121 @@ def s3_9(ev):
     return measured, "partly" if k4 <= k5 else "supported"
 
 
-def _weightquant(key: str, rule: Callable[[pd.DataFrame], tuple[str, str]]):
-    def evaluate(ev):
-        if not len(ev.weightquant):
-            return _missing("weight-quantization results")
-        return rule(ev.weightquant)
+def _wq(ev: Evidence, scheme: str) -> pd.Series | None:
+    """The weight-quantization row of ``scheme`` (status ok), or None."""
+    df = ev.weightquant
+    if not len(df) or "scheme" not in df:
+        return None
+    rows = df[(df["scheme"] == scheme) & (df["status"] == "ok")]
+    return rows.iloc[-1] if len(rows) else None
 
-    evaluate.__name__ = key
-    return evaluate
+
+def _wq_rows(ev: Evidence, *schemes: str) -> list[pd.Series] | None:
+    rows = [_wq(ev, s) for s in schemes]
+    return None if any(r is None for r in rows) else rows
+
+
+def s3_1(ev):
+    rows = _wq_rows(ev, "W8A8 sym per-token", "W8A8 asym per-token")
+    if rows is None:
+        return _missing("W8A8 rows")
+    sym, asym = (float(r["ppl_delta"]) for r in rows)
+    close = abs(sym - 1.2) <= 0.3 and abs(asym - 0.7) <= 0.3
+    measured = f"perplexity +{sym:.2f} (symmetric per-channel weights) and +{asym:.2f} (asymmetric), simulated int8 activations"
+    return measured, "supported" if close else ("partly" if asym < sym else "refuted")
+
+
+def s3_2(ev):
+    rows = _wq_rows(ev, "W4A8 AutoRound g64", "W4A8 AutoRound g64 +1% int8 channels")
+    if rows is None:
+        return _missing("W4A8 rows")
+    plain, kept = (float(r["ppl_delta"]) for r in rows)
+    measured = f"W4A8 (AutoRound int4 g64, simulated int8 activations): +{plain:.2f} perplexity; with 1% int8 input channels +{kept:.2f}"
+    if kept <= 2.1 * 1.5 and plain >= 10:
+        return measured, "supported"
+    return measured, "partly" if kept < plain else "refuted"
+
+
+def s3_3(ev):
+    rows = _wq_rows(ev, "fp32", "W4A4 AutoRound g64")
+    if rows is None:
+        return _missing("W4A4 and fp32 generations")
+    ref, w4a4 = rows
+    late = lambda r: max(v for k, v in r["repeat_by_segment"].items() if not k.startswith("0-"))  # noqa: E731
+    garbage = float(w4a4["ppl_delta"]) > 100
+    more_repeats = late(w4a4) > late(ref)
+    measured = (f"W4A4 perplexity +{float(w4a4['ppl_delta']):.0f}; repeated 4-gram share after 128 tokens {late(w4a4):.2f} "
+                f"(fp32 itself: {late(ref):.2f})")
+    return measured, "supported" if garbage and more_repeats else ("partly" if garbage or more_repeats else "refuted")
+
+
+def s3_4(ev):
+    df = ev.weightquant
+    if not len(df) or "zero_share" not in df:
+        return _missing("channel-mask rows")
+    masks = df[(df["status"] == "ok") & (df["zero_share"].fillna(0).round(2) == 0.3)]
+    by = {z: masks[masks["zero_by"] == z] for z in ("activation", "magnitude")}
+    if any(not len(v) for v in by.values()):
+        return _missing("30% activation-mask and magnitude-pruning rows")
+    act, mag = (float(by[z]["ppl_delta"].iloc[-1]) for z in ("activation", "magnitude"))
+    measured = f"30% of input channels zeroed by activation salience: +{act:.2f} perplexity; 30% magnitude pruning: +{mag:.2f}; no fine-tuning"
+    if abs(act - 1.4) <= 0.7 and mag > act:
+        return measured, "supported"
+    return measured, "partly" if act < mag else "refuted"
+
+
+def s3_5(ev):
+    verdicts, parts = [], []
+    for b in (3, 4):
+        rows = _wq_rows(ev, *(f"W{b}A16 RTN g64 asym" + s for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")))
+        if rows is None:
+            continue
+        plain, act, wt, rnd = (float(r["ppl_delta"]) for r in rows)
+        parts.append(f"W{b}: +{plain:.2f} -> +{act:.2f} protecting 1% by activation (by weight +{wt:.2f}, random +{rnd:.2f})")
+        verdicts.append(act < 0.6 * plain and act < min(wt, rnd))
+    if not verdicts:
+        return _missing("salient-channel rows")
+    return "; ".join(parts), "supported" if all(verdicts) else ("partly" if any(verdicts) else "refuted")
+
+
+def s3_10(ev):
+    check = _wq(ev, "auto-round W4A8 check")
+    if check is None:
+        return _missing("auto-round capability check")
+    measured = (f"auto-round {check['auto_round_version']}: W4A8 presets {list(check['presets_w4a8']) or 'none'}; a custom act_bits=8 scheme "
+                f"{'is accepted' if check['custom_w4a8_accepted'] else 'is refused'}; real W4A8 export: {bool(check['real_w4a8_export'])}")
+    if check["custom_w4a8_accepted"] and check["real_w4a8_export"]:
+        return measured, "supported"
+    return measured, "partly" if check["custom_w4a8_accepted"] else "refuted"
+
+
+def s3_11(ev):
+    df = ev.weightquant
+    if not len(df) or "kurtosis_fp32" not in df:
+        return _missing("kurtosis rows")
+    w4a8 = df[(df["scheme"] == "W4A8 AutoRound g64") & (df["status"] == "ok")].drop_duplicates("model", keep="last")
+    if not len(w4a8):
+        return _missing("W4A8 rows")
+    measured = "; ".join(f"{r['model']}: weight kurtosis {r['kurtosis_fp32']:.2f} (max layer {r['kurtosis_max_layer']:.1f}), W4A8 +{r['ppl_delta']:.2f} perplexity" for _, r in w4a8.iterrows())
+    if len(w4a8) < 3:
+        return measured, f"untestable here ({len(w4a8)} model(s); a predictor needs at least 3)"
+    high = w4a8[w4a8["kurtosis_fp32"] > 4.5]["ppl_delta"]
+    low = w4a8[w4a8["kurtosis_fp32"] <= 4.5]["ppl_delta"]
+    if not len(high) or not len(low):
+        return measured, "untestable here (all models on one side of 4.5)"
+    return measured, "supported" if high.min() > low.max() else ("partly" if high.mean() > low.mean() else "refuted")
+
+
+def s3_12(ev):
+    df = ev.weightquant
+    if not len(df) or "ppl_delta" not in df:
+        return _missing("perplexity table")
+    q = df[(df["status"] == "ok") & df["ppl_delta"].notna() & (df["scheme"] != "fp32")]
+    if not len(q):
+        return _missing("quantized perplexity rows")
+    worst = q.loc[q["ppl_delta"].idxmax()]
+    within = int((q["ppl_delta"] <= 1.5).sum())
+    return f"{within} of {len(q)} quantized configurations within +1.5 perplexity; worst {worst['scheme']} +{worst['ppl_delta']:.1f}", "supported" if within == len(q) else "refuted"
 
 
 CLAIMS: list[Claim] = [
@@ -355,10 +462,18 @@ CLAIMS: list[Claim] = [
     Claim("S1-4", "2", "TurboQuant is a sliding-window asymmetric min/max quantizer with attention-weighted compensation", "implement the paper's algorithm and the seed's, compare", "refuted when both are implemented and differ", s1_4),
     Claim("S1-5", "3", "3-bit TurboQuant loses no perplexity and gains 1.2% on code completion", "needle accuracy and KL of turbo3", "refuted if accuracy drops > 0.1; else partly (perplexity not measured)", s1_5),
     Claim("S1-6", "3", "a 4-bit float packing with 1 sign, 2 exponent, 1 mantissa bit", "implemented as fp4_e2m1, measured", "supported when it runs", s1_6),
+    Claim("S3-1", "2", "W8A8: symmetric per-channel costs +1.2 perplexity, asymmetric per-token +0.7", "perplexity deltas of both on our model", "supported within 0.3 of both; partly if asymmetric is better", s3_1),
+    Claim("S3-2", "3", "W4A8 g128 with 1% int8 outliers: +2.1 perplexity; without them it explodes (15.3)", "AutoRound int4 + int8 activations, with and without 1% int8 channels", "supported if with <= 3.15 and without >= 10; partly if the channels help", s3_2),
+    Claim("S3-3", "3", "W4A4 repeats after 128 tokens and is garbage after 256", "300 greedy tokens: repeated 4-gram share per segment, and perplexity", "supported if both garbage (perplexity +100) and more repetition than fp32", s3_3),
+    Claim("S3-4", "3", "AWQ gives a 30% channel mask: +1.4 perplexity without fine-tuning, vs +5.6 for 30% magnitude pruning", "zero 30% channels by activation salience vs 30% magnitude pruning", "supported within 0.7 of +1.4 and below magnitude pruning", s3_4),
+    Claim("S3-5", "3", "keeping 1% salient channels in high precision rescues low-bit weights", "RTN W3/W4 with 1% fp16 channels by activation, weight, random", "supported if activation-chosen cuts the increase by 40% and beats the others", s3_5),
     Claim("S3-6", "4", "FlashAttention-3 is 3% slower below 128 tokens and pays off above 512", "attention backend timing on a GPU", "needs a Hopper GPU", s3_6),
     Claim("S3-7", "5", "Llama-3-8B KV at 2048 tokens takes 2.7 GB", "arithmetic with and without GQA", "refuted if neither is within 10%", s3_7),
     Claim("S3-8", "5", "per-head group quantization shrinks KV 2.7 GB -> 112 MB (99.6%) with unchanged perplexity", "compression ceiling and best measured ratio", "refuted above the 16x ceiling", s3_8),
     Claim("S3-9", "5", 'vLLM fp8 KV is "5-bit exponent + 2-bit mantissa"', "implement e4m3 and e5m2, compare", "partly if e4m3 (vLLM's default) is at least as good", s3_9),
+    Claim("S3-10", "2", "AutoRound does W4A8 with --act_bits 8", "what the installed auto-round accepts and exports", "supported only with a real W4A8 export", s3_10),
+    Claim("S3-11", "3", "weight kurtosis > 4.5 predicts W4A8 failure", "kurtosis and W4A8 perplexity increase per model", "needs 3 or more models on both sides of 4.5", s3_11),
+    Claim("S3-12", "6", "every quantized configuration stays within +1.5 perplexity", "the perplexity table", "refuted if any configuration exceeds +1.5", s3_12),
 ]
 
 

@@ -90,3 +90,35 @@ def test_a_broken_evaluator_is_reported_not_raised(monkeypatch):
     monkeypatch.setitem(claims.SEEDS, "S9", "none")
     row = ledger(Evidence("x"), extra=[bad]).set_index("id").loc["S9-1"]
     assert row["verdict"].startswith("untestable") and "ZeroDivisionError" in row["measured"]
+
+
+def _wq(deltas: dict) -> Evidence:
+    """Evidence with weight-quantization rows ``{scheme: ppl_delta}`` (plus the fields some claims read)."""
+    rows = [{"scheme": s, "status": "ok", "ppl_delta": d, "model": "m", "kurtosis_fp32": 5.0, "kurtosis_max_layer": 9.0,
+             "zero_share": 0.0, "zero_by": None} for s, d in deltas.items()]
+    return Evidence("x", weightquant=pd.DataFrame(rows))
+
+
+def test_weight_quantization_verdicts_follow_the_measurements():
+    sym, asym = "W8A8 sym per-token", "W8A8 asym per-token"
+    assert verdict("S3-1", _wq({sym: 1.2, asym: 0.7})) != verdict("S3-1", _wq({sym: 0.5, asym: 0.9}))
+    g = "W4A8 AutoRound g64"
+    assert verdict("S3-2", _wq({g: 15.3, g + " +1% int8 channels": 2.1})) != verdict("S3-2", _wq({g: 2.0, g + " +1% int8 channels": 2.5}))
+    assert verdict("S3-12", _wq({"W4A16": 1.0})) != verdict("S3-12", _wq({"W4A16": 2.0}))
+    names = [f"W3A16 RTN g64 asym{s}" for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")]
+    assert verdict("S3-5", _wq(dict(zip(names, (40, 10, 35, 38))))) != verdict("S3-5", _wq(dict.fromkeys(names, 40)))
+
+
+def test_masks_and_autoround_capability_verdicts_follow_the_measurements():
+    def masks(act, mag):
+        df = pd.DataFrame([{"scheme": f"mask {z}", "status": "ok", "ppl_delta": d, "zero_share": 0.3, "zero_by": z} for z, d in (("activation", act), ("magnitude", mag))])
+        return Evidence("x", weightquant=df)
+
+    assert verdict("S3-4", masks(1.4, 5.6)) != verdict("S3-4", masks(9.0, 5.6))
+
+    def check(real):
+        df = pd.DataFrame([{"scheme": "auto-round W4A8 check", "status": "ok", "auto_round_version": "0", "presets_w4a8": [],
+                            "custom_w4a8_accepted": True, "real_w4a8_export": real}])
+        return Evidence("x", weightquant=df)
+
+    assert verdict("S3-10", check(True)) != verdict("S3-10", check(False))
