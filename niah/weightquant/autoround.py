@@ -1,0 +1,182 @@
+"""AutoRound (Intel's ``auto-round`` package) on the CPU: calibrate int weights, and check what it offers.
+
+:func:`calibrate` runs AutoRound's signed-gradient rounding on a copy of the model with the repo's own
+calibration windows (never a hub dataset) and returns the result as :class:`PackedLinear` codes: AutoRound
+leaves each tuned layer with its fp16 ``scale`` and a quantize-dequantized weight, from which the integer
+codes are recovered exactly (checked).  :func:`w4a8_offer` is the small cached check of claim S3-10: does the
+installed version have a W4A8 scheme, does it accept ``act_bits=8``, and in which format can it save one.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..telemetry import MemorySampler
+from .pack import PackedLinear
+from .quant import QWeight, grouped
+from .salience import decoder_linears
+
+
+class UnsupportedScheme(ValueError):
+    """The installed quantization library cannot do what a config asked; the message says what it offers."""
+
+
+def version() -> str:
+    """The installed auto-round version; a clear error when it is missing."""
+    try:
+        return importlib.metadata.version("auto-round")
+    except importlib.metadata.PackageNotFoundError:
+        raise UnsupportedScheme("auto-round is not installed: `pip install auto-round` (a dependency of this repo since notebook 01)") from None
+
+
+def presets() -> dict[str, dict]:
+    """auto-round's preset schemes: ``{name: {bits, group_size, sym, act_bits, ...}}``."""
+    version()
+    from auto_round.schemes import PRESET_SCHEMES
+
+    return {name: {k: v for k, v in s.to_dict().items() if v is not None} for name, s in PRESET_SCHEMES.items()}
+
+
+def scheme(bits: int, group: int, sym: bool, act_bits: int = 16, preset: str | None = None):
+    """An auto-round ``QuantizationScheme``: the named ``preset`` (an error listing the real ones if it is absent),
+    or integer weights with dynamic per-token integer activations when ``act_bits < 16``."""
+    table = presets()
+    from auto_round.schemes import QuantizationScheme, preset_name_to_scheme
+
+    if preset is not None:
+        if preset.upper() not in table:
+            raise UnsupportedScheme(
+                f"auto-round {version()} has no scheme {preset!r}. Its presets: {', '.join(sorted(table))}. "
+                "None of them combines 4-bit weights with 8-bit activations; a custom scheme (bits=4, act_bits=8) "
+                "is accepted as an experimental feature and saved only in the fake (quantize-dequantize) format."
+            )
+        return preset_name_to_scheme(preset)
+    act = {"act_bits": act_bits, "act_data_type": "int", "act_dynamic": True, "act_sym": True, "act_group_size": -1} if act_bits < 16 else {"act_bits": 16}
+    return QuantizationScheme(bits=bits, group_size=group, sym=sym, data_type="int", **act)
+
+
+def _autoround(model, tokenizer, windows: torch.Tensor, sch, iters: int, batch_size: int, amp: bool, seed: int):
+    from auto_round import AutoRound
+
+    if windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"AutoRound needs calibration windows (samples, seqlen) with seqlen >= 2; got {tuple(windows.shape)}")
+    return AutoRound(
+        model, tokenizer=tokenizer, scheme=sch, iters=iters, nsamples=len(windows), seqlen=windows.shape[1],
+        batch_size=min(batch_size, len(windows)), dataset=[w[None] for w in windows], device_map="cpu", amp=amp, seed=seed,
+    )
+
+
+def _codes(layer: torch.nn.Linear, bits: int, group: int, sym: bool) -> QWeight:
+    """Integer codes of an AutoRound-tuned layer from its ``scale`` (fp16, ``(out, groups)``), ``zp`` and
+    quantize-dequantized weight; raises if the weight is not on that grid."""
+    scale = layer.scale.detach().float().reshape(layer.out_features, -1)
+    x = grouped(layer.weight.detach().float(), group) / scale[..., None]
+    if sym:
+        lo, hi, zero = torch.full_like(scale, -(2 ** (bits - 1))), torch.full_like(scale, 2 ** (bits - 1) - 1), None
+    else:
+        zero = torch.as_tensor(layer.zp).float().reshape(scale.shape)
+        lo, hi = -zero, 2**bits - 1 - zero
+    q = torch.maximum(torch.minimum(torch.round(x), hi[..., None]), lo[..., None])
+    off_grid = float((x - q).abs().max())
+    if off_grid > 0.1:
+        raise RuntimeError(f"auto-round's weight is {off_grid:.3f} steps off its int grid: its result layout has changed")
+    codes = (q - lo[..., None]).to(torch.uint8)
+    zero = zero.to(torch.uint8) if zero is not None else None
+    return QWeight(codes, layer.scale.detach().half().reshape(scale.shape), zero, bits)
+
+
+def calibrate(model, tokenizer, windows: torch.Tensor, bits: int, group: int, sym: bool, iters: int, batch_size: int, amp: bool, seed: int) -> tuple[dict[str, PackedLinear], dict]:
+    """AutoRound ``bits``-bit weights (activations untouched) for every decoder linear of ``model``.
+
+    ``windows: (samples, seqlen)`` token ids of the calibration split, passed as tensors (auto-round tokenizes
+    nothing and downloads nothing).  ``amp=False`` tunes in fp32; auto-round's CPU default (``amp=True``) casts the
+    model to bf16, which this kind of CPU only emulates.  Returns the packed layers and a record of the run:
+    iterations, samples, sequence length, wall seconds, this process's resident memory at the start and its peak, version.
+    """
+    sch = scheme(bits, group, sym)
+    work = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    ar = _autoround(work, tokenizer, windows, sch, iters, batch_size, amp, seed)
+    t0 = time.perf_counter()
+    with MemorySampler(hz=20) as mem:
+        ar.quantize()
+    wall = time.perf_counter() - t0
+    layers = {n: PackedLinear.from_qweight(_codes(m, bits, group, sym), (m.out_features, m.in_features), group) for n, m in decoder_linears(work).items()}
+    record = {"library": "auto-round", "version": version(), "iters": iters, "samples": len(windows), "seqlen": windows.shape[1],
+              "batch_size": min(batch_size, len(windows)), "amp": amp, "wall_s": round(wall, 1),
+              "rss_start_bytes": mem.values[0] if mem.values else 0, "peak_rss_bytes": max(mem.values, default=0),
+              "tuned_in": str(next(work.parameters()).dtype)}
+    return layers, record
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compressor", "fake")) -> dict:
+    """What the installed auto-round does with W4A8 (claim S3-10), tried on a tiny random Llama in a few seconds.
+
+    Records the presets that pair 4-bit weights with 8-bit activations, whether a custom scheme
+    ``bits=4, act_bits=8`` (dynamic per-token int8) is accepted and tuned, the warnings it prints, and for
+    each requested export format what was written: ``packed`` (integer weight tensors) or ``fake``
+    (full-precision quantize-dequantized weights).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .. import tokenizer as bytetok
+
+    table = presets()
+    w4a8 = [n for n, s in table.items() if s.get("bits") == 4 and s.get("act_bits") == 8]
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256))
+    windows = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    capture = _Capture()
+    log = logging.getLogger("autoround")
+    log.addHandler(capture)
+    written, error = {}, ""
+    try:
+        ar = _autoround(tiny, bytetok.ByteTokenizer(), windows, scheme(4, 64, True, act_bits=8), iters=1, batch_size=2, amp=True, seed=0)
+        ar.quantize()
+        for fmt in formats:
+            written[fmt] = _save_as(ar, fmt)
+    except Exception as err:  # the library refusing the scheme is the finding, not a crash
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        log.removeHandler(capture)
+    return {
+        "auto_round_version": version(), "presets_w4a8": w4a8, "presets_with_int8_activations": [n for n, s in table.items() if s.get("act_bits") == 8 and s.get("data_type") == "int"],
+        "custom_w4a8_accepted": not error, "custom_w4a8_error": error, "formats_written": written,
+        "real_w4a8_export": any(v == "packed" for v in written.values()), "warnings": sorted(set(capture.messages)),
+    }
+
+
+def _save_as(ar, fmt: str) -> str:
+    """Save ``ar``'s model in format ``fmt`` and say what was written (or the error)."""
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            ar.save_quantized(d, format=fmt)
+        except Exception as err:  # a refused format is a recorded answer
+            return f"refused ({type(err).__name__}: {err})"
+        return _written_format(Path(d))
+
+
+def _written_format(folder: Path) -> str:
+    """``packed`` if a saved checkpoint holds integer weight tensors (``qweight``), else ``fake``."""
+    from safetensors import safe_open
+
+    names = [k for f in folder.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()]
+    config = json.loads((folder / "config.json").read_text()).get("quantization_config", {}) if (folder / "config.json").exists() else {}
+    return "packed" if any(n.endswith("qweight") for n in names) else f"fake ({config.get('packing_format', 'dense weights')})"

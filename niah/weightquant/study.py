@@ -1,0 +1,223 @@
+"""The weight-quantization study of notebooks 01 and 02: builds each scheme, measures it, one results row per scheme.
+
+Rows go to ``papermill_runs/<config>/weightquant_results.jsonl`` (a resumable :class:`~niah.results.ResultsTable`
+keyed by ``config, model, scheme``; a rerun skips finished schemes).  Row schema:
+
+identity     ``config``, ``config_hash``, ``model``, ``scheme`` (name), ``status`` (``ok``), ``seed``, ``git_commit``, ``versions``, ``time``
+scheme       ``w_bits`` (16 = untouched), ``group`` (-1 = per output channel), ``w_sym``, ``rounding`` (none/rtn/autoround/awq),
+             ``a_bits`` (16 = none), ``a_sym``, ``simulated`` (activation quantization is quantize-dequantize, no int kernel),
+             ``keep_share``, ``keep_by``, ``keep_bits`` (input channels kept at higher precision), ``zero_share``, ``zero_by``
+quality      ``ppl``, ``ppl_fp32``, ``ppl_delta`` (ppl - ppl_fp32), ``kl_vs_fp32``, ``top1_vs_fp32``,
+             ``eval_windows``, ``eval_length``, ``eval_tokens`` (held-out split, non-overlapping windows)
+bytes        ``linear_bytes`` (decoder linears as stored: packed codes, scales, kept columns), ``disk_bytes`` (linear_bytes +
+             the other tensors at fp32: what a safetensors checkpoint of the scheme holds, without its header),
+             ``memory_bytes`` (parameters the evaluated model held: fp32, since weights are dequantized for the forward),
+             ``checkpoint_file_bytes`` (size of the cached packed file, for calibrated schemes), ``zero_fraction``
+weights      ``kurtosis_fp32`` (Pearson, pooled over the fp32 decoder linear weights; 3 = normal), ``kurtosis_max_layer``
+calibration  ``calibration_hash``, ``calibration_samples``, ``calibration_seqlen``, ``calibration_share``, ``calibrated``
+             (AutoRound: iters, samples, seqlen, amp, wall_s, rss_start_bytes, peak_rss_bytes, version, tuned_in, cache_hit;
+             AWQ: alpha per input group, grid, unscaled groups, cache_hit), ``eval_s`` (seconds this row took)
+needle       ``needle_length``, ``needle_n``, ``needle_accuracy``, ``needle_ci_low``, ``needle_ci_high``,
+             ``needle_answer_logprob``, ``needle_kl_vs_fp32`` (fp16 KV cache; empty when not run for the scheme)
+generation   ``repeat_share``, ``repeat_by_segment``, ``generated_tokens``, ``generated_text`` (greedy, when run)
+library      for scheme ``auto-round W4A8 check``: :func:`~niah.weightquant.autoround.w4a8_offer`'s fields (claim S3-10)
+
+Where each claim's evidence is: S3-1 the two ``W8A8`` rows (``a_sym``); S3-2 the ``W4A8`` rows with and without
+``keep_share``; S3-3 ``repeat_by_segment`` of the W4A4 row next to fp32's; S3-4 the ``zero_by`` rows; S3-5 the
+``keep_by`` rows and the AWQ rows against round-to-nearest; S3-10 the library row; S3-11 ``kurtosis_fp32`` with the
+4-bit rows' ``ppl_delta`` (per layer: ``weightquant_kurtosis_layers.csv``); S3-12 ``ppl_delta`` of every quantized row.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import cached_property
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from .. import env
+from ..analysis import summarize
+from ..models import cache_dir
+from ..results import ResultsTable
+from . import autoround
+from .awq import foldable, search_scale
+from .cache import cached
+from .data import heldout_haystack, split_text, token_windows, windows_hash
+from .evaluate import Evaluator, generate, repetition
+from .needle import NeedleBench, usable_methods
+from .quant import fake_quant_weight
+from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs
+from .schemes import QuantizedModel, Scheme, rtn_layers, with_kept_channels, zeroed_layers
+from .settings import settings
+from .tables import OFFER
+
+KEY = ("config", "model", "scheme")
+class Study:
+    """Everything a notebook needs, made when first used and kept: calibration and evaluation windows,
+    activation statistics, AutoRound weights and AWQ scales (cached on disk), the needle bench."""
+
+    def __init__(self, cfg: dict, lm, run_dir: Path):
+        self.cfg, self.lm, self.run_dir, self.s = cfg, lm, Path(run_dir), settings(cfg)
+        self.table = ResultsTable(self.run_dir / "weightquant_results.jsonl", KEY)
+        torch.manual_seed(cfg["seed"])
+
+    @cached_property
+    def calibration(self) -> torch.Tensor:
+        c = self.s["calibration"]
+        return token_windows(self.lm.tokenizer, split_text("calibration", self.s["calibration_share"]), c["samples"], c["seqlen"])
+
+    @cached_property
+    def evaluator(self) -> Evaluator:
+        e = self.s["evaluation"]
+        return Evaluator(self.lm.model, token_windows(self.lm.tokenizer, split_text("evaluation", self.s["calibration_share"]), e["windows"], e["length"]), e["batch"])
+
+    @cached_property
+    def stats(self):
+        return collect_inputs(self.lm.model, self.calibration, self.s["calibration"]["sample_tokens"], self.cfg["seed"])
+
+    @cached_property
+    def needle(self) -> NeedleBench:
+        folder = heldout_haystack(self.run_dir / "heldout_haystack", self.s["calibration_share"])
+        return NeedleBench(self.cfg, self.lm, self.s["needle"], folder, self.run_dir / "weightquant_niah.jsonl")
+
+    @cached_property
+    def kv_methods(self) -> list[str]:
+        ok, missing = usable_methods(self.s["kv_methods"])
+        if missing:
+            print(f"KV methods not registered yet, skipped: {missing}")
+        return ok
+
+    def _key(self, scheme: Scheme, **extra) -> dict:
+        weights = {k: v for k, v in scheme.fields().items() if k in ("w_bits", "group", "w_sym", "rounding")}
+        return {"model": self.cfg["model"], "calibration": windows_hash(self.calibration), "seed": self.cfg["seed"], **weights, **extra}
+
+    def _autoround(self, scheme: Scheme):
+        a = self.s["autoround"]
+        key = self._key(scheme, autoround=a, version=autoround.version())
+        windows = self.calibration[: a["samples"], : a["seqlen"]]
+        return cached(key, lambda: autoround.calibrate(self.lm.model, self.lm.tokenizer, windows, scheme.w_bits, scheme.group, scheme.sym, a["iters"], a["batch_size"], a["amp"], self.cfg["seed"]))
+
+    def _awq(self, scheme: Scheme):
+        key = self._key(scheme, awq_grid=self.s["awq_grid"], sample_tokens=self.s["calibration"]["sample_tokens"])
+        return cached(key, lambda: self._awq_search(scheme))
+
+    def _awq_search(self, scheme: Scheme):
+        linears = decoder_linears(self.lm.model)
+        groups: dict[str, list[str]] = {}
+        for n, first in shared_inputs(self.lm.model).items():
+            groups.setdefault(first, []).append(n)
+        scales, alphas = {}, {}
+        for first, names in tqdm(groups.items(), desc=f"AWQ search W{scheme.w_bits}", unit="group"):
+            if not foldable(first, linears):
+                continue
+            st = self.stats[first]
+            r = search_scale([linears[n].weight for n in names], st.sample, st.mean_abs, lambda w: fake_quant_weight(w, scheme.w_bits, scheme.group, scheme.sym), self.s["awq_grid"])
+            alphas[first] = r.alpha
+            scales.update({n: r.scale for n in names})
+        return rtn_layers(self.lm.model, scheme, scales), {"alphas": alphas, "grid": self.s["awq_grid"], "unscaled": [g for g in groups if g not in alphas]}
+
+    def build(self, scheme: Scheme) -> tuple[QuantizedModel, dict]:
+        """The scheme's model and a record of its calibration (empty for uncalibrated schemes)."""
+        model, record = self.lm.model, {}
+        if scheme.zero:
+            return QuantizedModel(scheme, zeroed_layers(model, scheme, self.stats)), record
+        if scheme.w_bits >= 16:
+            return QuantizedModel(scheme), record
+        if scheme.rounding in ("autoround", "awq"):
+            c = self._autoround(scheme) if scheme.rounding == "autoround" else self._awq(scheme)
+            layers, record = c.layers, {**c.record, "cache_hit": c.hit, "checkpoint_file_bytes": c.file_bytes}
+        elif scheme.rounding == "rtn":
+            layers = rtn_layers(model, scheme)
+        else:
+            raise ValueError(f"unknown rounding {scheme.rounding!r}: use rtn, autoround or awq")
+        if scheme.keep:
+            layers = with_kept_channels(model, layers, scheme, self.stats if scheme.keep_by == "activation" else {}, self.cfg["seed"])
+        return QuantizedModel(scheme, layers), record
+
+    @cached_property
+    def _weights_facts(self) -> dict:
+        model = self.lm.model
+        ws = [m.weight for m in decoder_linears(model).values()]
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        return {"kurtosis_fp32": kurtosis(*ws), "kurtosis_max_layer": max(kurtosis(w) for w in ws), "memory_bytes": params,
+                "other_bytes": params - sum(w.numel() * w.element_size() for w in ws)}
+
+    def _base(self, name: str) -> dict:
+        return {"config": self.cfg["name"], "config_hash": self.cfg["hash"], "model": self.lm.name, "scheme": name, "status": "ok",
+                "seed": self.cfg["seed"], "git_commit": env.git_commit(), "versions": env.versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def evaluate(self, schemes: list[Scheme], needle: dict[str, list[str]] | None = None, generate_for: tuple[str, ...] = ()) -> pd.DataFrame:
+        """Evaluate every scheme not yet in the table; ``needle[name]``: KV methods of its needle cells; ``generate_for``:
+        names that also generate ``generate_tokens`` greedy tokens.  Returns the rows of ``schemes``."""
+        needle = needle or {}
+        for sch in schemes:
+            if self.table.key(self._base(sch.name)) in self.table.done:
+                continue
+            t0 = time.perf_counter()
+            qm, record = self.build(sch)
+            facts = self._weights_facts
+            linear = qm.linear_bytes(self.lm.model)
+            zeros = sum(int((w == 0).sum()) for w in qm.dense.values()) / max(sum(w.numel() for w in qm.dense.values()), 1)
+            c = self.s["calibration"]
+            row = {**self._base(sch.name), **sch.fields(), **self.evaluator.measure(qm),
+                   "linear_bytes": linear, "disk_bytes": linear + facts["other_bytes"], "memory_bytes": facts["memory_bytes"],
+                   "checkpoint_file_bytes": record.pop("checkpoint_file_bytes", None), "zero_fraction": zeros if sch.zero else 0.0,
+                   "kurtosis_fp32": facts["kurtosis_fp32"], "kurtosis_max_layer": facts["kurtosis_max_layer"],
+                   "calibration_hash": windows_hash(self.calibration), "calibration_samples": c["samples"], "calibration_seqlen": c["seqlen"],
+                   "calibration_share": self.s["calibration_share"], "calibrated": record}
+            row["ppl_delta"] = row["ppl"] - row["ppl_fp32"]
+            if sch.name in needle:
+                row.update(self._needle_fields(qm, needle[sch.name]))
+            if sch.name in generate_for:
+                prompt = self.evaluator.windows[0, : self.s["prompt_tokens"]].tolist()
+                with qm.applied(self.lm.model):
+                    ids = generate(self.lm.model, prompt, self.s["generate_tokens"])
+                row.update(repetition(ids), generated_tokens=len(ids), generated_text=self.lm.tokenizer.decode(ids))
+            row["eval_s"] = round(time.perf_counter() - t0, 1)
+            self.table.append(row)
+        return self.rows([s.name for s in schemes])
+
+    def _needle_fields(self, qm: QuantizedModel, methods: list[str]) -> dict:
+        df = self.needle.run(qm, [m for m in methods if m in self.kv_methods])
+        s = summarize(df[df["method"] == "fp16"], ["weights"]).iloc[0] if (df["method"] == "fp16").any() else None
+        if s is None or not s["n"]:
+            return {"needle_length": self.s["needle"]["length"], "needle_n": 0}
+        return {"needle_length": self.s["needle"]["length"], "needle_n": int(s["n"]), "needle_accuracy": s["accuracy"], "needle_ci_low": s["ci_low"],
+                "needle_ci_high": s["ci_high"], "needle_answer_logprob": s["answer_logprob"], "needle_kl_vs_fp32": s["kl_vs_ref"]}
+
+    def rows(self, names: list[str] | None = None) -> pd.DataFrame:
+        df = pd.DataFrame(self.table.rows())
+        if names is not None and len(df):
+            df = df[df["scheme"].isin(names)].set_index("scheme").loc[[n for n in names if n in set(df["scheme"])]].reset_index()
+        return df
+
+    def record_offer(self) -> dict:
+        """Claim S3-10: what the installed auto-round offers for W4A8 (checked once per version, cached), as a table row."""
+        path = cache_dir() / "weightquant" / f"autoround-{autoround.version()}-w4a8-offer.json"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(autoround.w4a8_offer(), indent=1))
+        offer = json.loads(path.read_text())
+        self.table.append({**self._base(OFFER), **offer})
+        return offer
+
+    def describe(self) -> pd.DataFrame:
+        """The data and settings behind the numbers: splits, windows, AutoRound and needle settings."""
+        from .data import split_keys
+
+        calib, held = split_keys(self.s["calibration_share"])
+        c, e, n = self.s["calibration"], self.s["evaluation"], self.s["needle"]
+        facts = {
+            "calibration split": f"{len(calib)} pydoc topic keys (sha256 rule, share {self.s['calibration_share']})",
+            "evaluation split": f"{len(held)} other topic keys; perplexity, KL, generation prompt and needle haystack",
+            "calibration windows": f"{c['samples']} x {c['seqlen']} tokens (hash {windows_hash(self.calibration)})",
+            "evaluation windows": f"{e['windows']} non-overlapping x {e['length']} tokens = {e['windows'] * (e['length'] - 1)} predicted tokens",
+            "AutoRound": "iters {iters}, {samples} of the calibration windows cut to {seqlen} tokens, batch {batch_size}, amp (bf16) {amp}".format(**self.s["autoround"]) + f", group {self.s['group']}",
+            "needle cells": f"{n['length']} tokens, depths {n['depths']}, {n['trials']} trial(s) each; KV methods {self.kv_methods}",
+        }
+        return pd.DataFrame({"value": facts})
+
