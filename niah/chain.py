@@ -46,12 +46,12 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     return times
 
 
-def report(config: str) -> Path:
+def report(config: str, run_root: Path | None = None) -> Path:
     """Merge the executed notebooks of ``config`` into one self-contained HTML file (code hidden, images embedded)."""
     import nbformat
     from nbconvert import HTMLExporter
 
-    out = run_dir(config)
+    out = run_dir(config, run_root)
     executed = [out / nb.name for nb in chain() if (out / nb.name).exists()]
     if not executed:
         raise FileNotFoundError(f"no executed notebooks in {out}: run `make reproduce CONFIG={config}` first")

@@ -4,7 +4,7 @@ import json
 
 import nbformat
 
-from niah.chain import chain, reproduce
+from niah.chain import chain, report, reproduce
 
 
 def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
@@ -18,3 +18,6 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
     assert json.loads((runs / "environment.json").read_text())["python"]
     assert (runs / "niah_results.jsonl").stat().st_size > 0
     assert list((tmp_path / "figs" / "smoke").glob("heatmap_*.png"))
+    html = report("smoke", run_root=tmp_path / "runs").read_text()
+    assert html.count("data:image/png;base64") >= 5  # figures embedded: the file can be mailed alone
+    assert "S3-8" in html and "refuted" in html  # the claims ledger is in it
