@@ -45,6 +45,11 @@ def presets() -> dict[str, dict]:
     return {name: {k: v for k, v in s.to_dict().items() if v is not None} for name, s in PRESET_SCHEMES.items()}
 
 
+def w4a8_presets(table: dict[str, dict]) -> list[str]:
+    """Names of the presets in ``table`` with 4-bit weights and 8-bit activations."""
+    return [n for n, s in table.items() if s.get("bits") == 4 and s.get("act_bits") == 8]
+
+
 def scheme(bits: int, group: int, sym: bool, act_bits: int = 16, preset: str | None = None):
     """An auto-round ``QuantizationScheme``: the named ``preset`` (an error listing the real ones if it is absent),
     or integer weights with dynamic per-token integer activations when ``act_bits < 16``."""
@@ -54,9 +59,9 @@ def scheme(bits: int, group: int, sym: bool, act_bits: int = 16, preset: str | N
     if preset is not None:
         if preset.upper() not in table:
             raise UnsupportedScheme(
-                f"auto-round {version()} has no scheme {preset!r}. Its presets: {', '.join(sorted(table))}. "
-                "None of them combines 4-bit weights with 8-bit activations; a custom scheme (bits=4, act_bits=8) "
-                "is accepted as an experimental feature and saved only in the fake (quantize-dequantize) format."
+                f"auto-round {version()} has no scheme {preset!r}. Its presets: {', '.join(sorted(table))}; "
+                f"those with 4-bit weights and 8-bit activations: {', '.join(w4a8_presets(table)) or 'none'}. "
+                "A custom scheme is scheme(bits, group, sym, act_bits=...); w4a8_offer() shows what the library can save of one."
             )
         return preset_name_to_scheme(preset)
     act = {"act_bits": act_bits, "act_data_type": "int", "act_dynamic": True, "act_sym": True, "act_group_size": -1} if act_bits < 16 else {"act_bits": 16}
@@ -139,7 +144,6 @@ def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compr
     from .. import tokenizer as bytetok
 
     table = presets()
-    w4a8 = [n for n, s in table.items() if s.get("bits") == 4 and s.get("act_bits") == 8]
     torch.manual_seed(0)
     tiny = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256))
     windows = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -157,7 +161,7 @@ def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compr
     finally:
         log.removeHandler(capture)
     return {
-        "auto_round_version": version(), "presets_w4a8": w4a8, "presets_with_int8_activations": [n for n, s in table.items() if s.get("act_bits") == 8 and s.get("data_type") == "int"],
+        "auto_round_version": version(), "presets_w4a8": w4a8_presets(table), "presets_with_int8_activations": [n for n, s in table.items() if s.get("act_bits") == 8 and s.get("data_type") == "int"],
         "custom_w4a8_accepted": not error, "custom_w4a8_error": error, "formats_written": written,
         "real_w4a8_export": any(v == "packed" for v in written.values()), "warnings": sorted(set(capture.messages)),
     }

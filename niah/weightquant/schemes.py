@@ -35,7 +35,7 @@ class Scheme:
     keep_by: str = "activation"  # activation | weight | random
     keep_bits: int = 16  # 16: fp16 columns; 8: int8 per output channel
     zero: float = 0.0  # share of weights set to zero
-    zero_by: str = ""  # channels: lowest-salience input channels; magnitude: smallest |w| (unstructured)
+    zero_by: str = ""  # activation: the input channels of lowest activation salience; magnitude: smallest |w| (unstructured)
 
     @property
     def simulated(self) -> bool:
@@ -127,11 +127,11 @@ def with_kept_channels(model, layers: dict[str, PackedLinear], scheme: Scheme, s
 def zeroed_layers(model, scheme: Scheme, stats: dict[str, InputStats]) -> dict[str, torch.Tensor]:
     """Dense weights with ``scheme.zero`` of each layer set to zero: lowest-salience input channels, or smallest magnitudes."""
     linears = decoder_linears(model)
-    if scheme.zero_by == "channels":
+    if scheme.zero_by == "activation":
         return {n: zero_channels(m.weight, stats[n].mean_abs, scheme.zero) for n, m in linears.items()}
     if scheme.zero_by == "magnitude":
         return {n: magnitude_prune(m.weight, scheme.zero) for n, m in linears.items()}
-    raise ValueError(f"unknown zeroing {scheme.zero_by!r}: use channels or magnitude")
+    raise ValueError(f"unknown zeroing {scheme.zero_by!r}: use activation or magnitude")
 
 
 def schemes_01(s: dict) -> dict[str, Scheme]:
@@ -161,6 +161,6 @@ def schemes_02(s: dict) -> dict[str, Scheme]:
             out[f"rtn{b}_{by}"] = Scheme(f"W{b}A16 RTN g{g} asym +{pct} fp16 by {by}", **rtn, keep=s["salient_share"], keep_by=by)
         out[f"awq{b}"] = Scheme(f"W{b}A16 AWQ g{g} asym", **rtn, rounding="awq")
     z = f"{s['zero_share']:.0%}"
-    out["mask"] = Scheme(f"{z} channel mask (activation salience)", zero=s["zero_share"], zero_by="channels")
+    out["mask"] = Scheme(f"{z} channel mask (activation salience)", zero=s["zero_share"], zero_by="activation")
     out["prune"] = Scheme(f"{z} magnitude pruning", zero=s["zero_share"], zero_by="magnitude")
     return out

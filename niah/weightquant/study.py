@@ -6,7 +6,7 @@ keyed by ``config, model, scheme``; a rerun skips finished schemes).  Row schema
 identity     ``config``, ``config_hash``, ``model``, ``scheme`` (name), ``status`` (``ok``), ``seed``, ``git_commit``, ``versions``, ``time``
 scheme       ``w_bits`` (16 = untouched), ``group`` (-1 = per output channel), ``w_sym``, ``rounding`` (none/rtn/autoround/awq),
              ``a_bits`` (16 = none), ``a_sym``, ``simulated`` (activation quantization is quantize-dequantize, no int kernel),
-             ``keep_share``, ``keep_by``, ``keep_bits`` (input channels kept at higher precision), ``zero_share``, ``zero_by``
+             ``keep_share``, ``keep_by``, ``keep_bits`` (input channels kept at higher precision), ``zero_share``, ``zero_by`` (activation, magnitude)
 quality      ``ppl``, ``ppl_fp32``, ``ppl_delta`` (ppl - ppl_fp32), ``kl_vs_fp32``, ``top1_vs_fp32``,
              ``eval_windows``, ``eval_length``, ``eval_tokens`` (held-out split, non-overlapping windows)
 bytes        ``linear_bytes`` (decoder linears as stored: packed codes, scales, kept columns), ``disk_bytes`` (linear_bytes +
@@ -56,6 +56,8 @@ from .settings import settings
 from .tables import OFFER
 
 KEY = ("config", "model", "scheme")
+
+
 class Study:
     """Everything a notebook needs, made when first used and kept: calibration and evaluation windows,
     activation statistics, AutoRound weights and AWQ scales (cached on disk), the needle bench."""
