@@ -60,6 +60,7 @@ def sweep_settings(cfg: dict) -> dict:
     return s
 
 
+@torch.no_grad()
 def _timed_decode(model, cache, first_token: int, steps: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and seconds of each of ``steps`` decode steps (never stopping early)."""
     device = next(model.parameters()).device

@@ -53,3 +53,18 @@ def test_a_killed_sweep_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, ki
 def test_unknown_sweep_setting_is_named(smoke_cfg, tiny, tmp_path):
     with pytest.raises(ValueError, match="unknown sweep setting"):
         run_sweep(_cfg(smoke_cfg, step=3), tiny, tmp_path / "s.jsonl", progress=False)
+
+
+def test_decode_timing_keeps_no_autograd_graph(tiny):
+    """Decoding with grad enabled chained every step's dequantized cache into one graph (GBs at 4K on SmolLM2)."""
+    from niah.kv.cache import PackedCache
+    from niah.kv.registry import get_method
+    from niah.protocol import context_kv, prefill
+    from niah.sweep import _timed_decode
+
+    kv = context_kv(prefill(tiny.model, list(range(64))))
+    cache = PackedCache.from_kv(kv, get_method("kivi2"), keep_dequantized=False)
+    _timed_decode(tiny.model, cache, 1, 4)
+    layer = cache.layers[0]
+    assert not layer.res_k.requires_grad
+    assert not any(t.requires_grad for k, v in layer.chunks for t in (*k.tensors.values(), *v.tensors.values()))
