@@ -31,8 +31,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def versions() -> dict[str, str | None]:
-    return {p: version(p) for p in PACKAGES if version(p)}
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str]:
+    """Installed versions of the packages results depend on (read once per process: every result row carries them)."""
+    found = {p: version(p) for p in PACKAGES}
+    return {p: v for p, v in found.items() if v}
 
 
 def gpus() -> list[dict]:
