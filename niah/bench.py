@@ -2,8 +2,8 @@
 
 * :func:`codec_throughput`: quantize and dequantize throughput of each KV method, as a ratio to a plain
   ``clone()`` of the same fp32 tensor measured in the same run.
-* :func:`decode_attention`: one decode step's attention over a long packed cache (dequantize what the
-  cache stores, then SDPA with grouped-query heads), as a ratio to the same step over the fp32 cache.
+* :func:`decode_attention`: one decode step's attention over a long packed cache, as a ratio to the same step
+  over the fp32 cache: dequantize what the cache stores then SDPA, and the fused read of the codes.
 * :func:`hf_quantized_cache`: transformers' own ``QuantizedCache`` (quanto backend) against its
   ``DynamicCache`` on a real model and context: what a user would otherwise pick.
 """
@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from .kv.attend import decode_attention as decode_attention_step
 from .kv.cache import PackedLayer
 from .kv.registry import get_method
 
@@ -62,27 +63,33 @@ def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
     """One decode step of one layer over ``tokens`` cached tokens: ms per method and ratio to the fp32 cache.
 
     Each step appends one token to a :class:`PackedLayer` that keeps nothing dequantized (the real decode path:
-    the stored cache is read, and dequantized, at every step), then attends with ``enable_gqa``.
+    the stored cache is read at every step), then attends, two ways: ``dequantize``: dequantize the whole
+    stored cache, then SDPA with ``enable_gqa``; ``fused``: read the codes directly (:mod:`niah.kv.attend`).
     """
     k, v = _kv(tokens, kv_heads, head_dim, 1), _kv(tokens, kv_heads, head_dim, 2)
     q = torch.randn(1, q_heads, 1, head_dim)
     k1, v1 = k[..., -1:, :].clone(), v[..., -1:, :].clone()
+    scaling = head_dim**-0.5
 
     def fp32_step():
         F.scaled_dot_product_attention(q, torch.cat([k, k1], 2), torch.cat([v, v1], 2), enable_gqa=True)
 
     base = median_time(fp32_step, repeat)
-    rows = [{"method": "fp32 (no cache method)", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0}]
+    rows = [{"method": "fp32 (no cache method)", "path": "sdpa", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0}]
     for name in methods:
-        layer = PackedLayer(get_method(name), 0, keep_dequantized=False)
-        layer.update(k, v)
+        for path in ("dequantize", "fused"):
+            layer = PackedLayer(get_method(name), 0, keep_dequantized=False, fused_decode=path == "fused")
+            layer.update(k, v)
 
-        def step():
-            keys, values = layer.update(k1, v1)
-            F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            def step():
+                keys, values = layer.update(k1, v1)
+                if path == "fused":
+                    decode_attention_step(q, layer, scaling)
+                else:
+                    F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
 
-        s = median_time(step, repeat)
-        rows.append({"method": name, "step_ms": 1e3 * s, "ratio_to_fp32": s / base})
+            s = median_time(step, repeat)
+            rows.append({"method": name, "path": path, "step_ms": 1e3 * s, "ratio_to_fp32": s / base})
     return pd.DataFrame(rows)
 
 

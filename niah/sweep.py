@@ -10,7 +10,8 @@ method the sweep records:
 * peak memory (process RSS on the CPU; ``torch.cuda.max_memory_allocated`` and pynvml on CUDA) and a
   memory trace sampled at ``sweep.hz`` during quantization and decode, kept in the row;
 * TPOT: median and p90 over ``sweep.decode_steps`` greedy decode steps on the real decode path
-  (``keep_dequantized=False``: every step reads and dequantizes the whole stored cache);
+  (``keep_dequantized=False``: every step reads the whole stored cache; attention reads the codes directly
+  where the method has fused kernels, :mod:`niah.kv.attend`, and dequantizes otherwise);
 * retrieval of the needle (once the step is long enough to hold it) and KL against the reference method.
 
 Rows are keyed by (config, model, method, length); a killed sweep resumes where it stopped.  A step
@@ -30,7 +31,7 @@ from tqdm.auto import tqdm
 
 from . import env
 from .haystack import haystack_text, tokenize_haystack
-from .kv.cache import PackedCache
+from .kv.cache import PackedCache, fused_decoding, warm_up
 from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial, needle_text
 from .prompts import build_cell
@@ -101,6 +102,8 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")
     probe_from = cell.needle_at + len(lm.tokenizer.encode(needle_text(trial.kind, *trial.needles[0]), add_special_tokens=False))
     cuda = cfg["device"] == "cuda"
+    for m in methods.values():  # compile the fused kernels before anything is timed
+        warm_up(m, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
     cache, done_tokens, ttft = None, 0, 0.0
     bar = tqdm(total=sum(len(missing(L)) for L in lengths), desc=f"pressure sweep [{cfg['name']}]", unit="row", disable=not progress)
     for L in lengths:
@@ -157,12 +160,13 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
     sampler = MemorySampler(hz=s["hz"], source="cuda" if cuda else "rss").start()
     try:
         t0 = time.perf_counter()
-        stored = PackedCache.from_kv(kv, method, keep_dequantized=False)
+        stored = PackedCache.from_kv(kv, method, keep_dequantized=False, fused_decode=True)
         quantize_s = time.perf_counter() - t0
         nbytes = stored.nbytes()
-        answer = ask(lm.model, lm.tokenizer, stored, cell.question_ids, cell.answer_ids, 1)
-        first = lm.tokenizer.encode(answer.text, add_special_tokens=False)[:1] or [lm.tokenizer.eos_token_id]
-        tokens, steps = _timed_decode(lm.model, stored, first[0], s["decode_steps"])
+        with fused_decoding(lm.model):
+            answer = ask(lm.model, lm.tokenizer, stored, cell.question_ids, cell.answer_ids, 1)
+            first = lm.tokenizer.encode(answer.text, add_special_tokens=False)[:1] or [lm.tokenizer.eos_token_id]
+            tokens, steps = _timed_decode(lm.model, stored, first[0], s["decode_steps"])
     finally:
         sampler.stop()
     values = kv[0][0].shape[1] * kv[0][0].shape[3] * 2 * len(kv) * kv[0][0].shape[2]

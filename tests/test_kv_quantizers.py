@@ -267,8 +267,9 @@ def hard_cases(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_q8_0_is_bit_exact_with_gguf(seed):
-    x = hard_cases(seed)
+@pytest.mark.parametrize("tiles", [1, 4])  # 16 tokens run eagerly, 64 through the compiled encoder
+def test_q8_0_is_bit_exact_with_gguf(seed, tiles):
+    x = hard_cases(seed).repeat(1, 1, tiles, 1)
     p = quantizer("q8_0").quantize(x)
     ref = gguf_blocks(x, gguf.GGMLQuantizationType.Q8_0)
     np.testing.assert_array_equal(ref[..., :2], p.tensors["scales"].numpy().view(np.uint8).reshape(ref[..., :2].shape))
@@ -278,8 +279,9 @@ def test_q8_0_is_bit_exact_with_gguf(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_q4_0_is_bit_exact_with_gguf(seed):
-    x = hard_cases(seed)
+@pytest.mark.parametrize("tiles", [1, 4])  # 16 tokens run eagerly, 64 through the compiled encoder
+def test_q4_0_is_bit_exact_with_gguf(seed, tiles):
+    x = hard_cases(seed).repeat(1, 1, tiles, 1)
     p = quantizer("q4_0").quantize(x)
     ref = gguf_blocks(x, gguf.GGMLQuantizationType.Q4_0)
     np.testing.assert_array_equal(ref[..., :2], p.tensors["scales"].numpy().view(np.uint8).reshape(ref[..., :2].shape))

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attend import FUSE_MIN_TOKENS
+
 
 @dataclass
 class Packed:
@@ -74,6 +76,25 @@ class KVQuantizer(ABC):
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ``ValueError`` naming the problem if this method cannot take ``head_dim``."""
+
+    def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
+        """``q . k`` for every stored key: ``q: (B, H, G, D)`` float32 (``G`` query heads per KV head) ->
+        ``(B, H, G, T)`` float32.  Read straight from the codes where the format allows (:meth:`fused_scores`)."""
+        out = self.fused_scores(p, q) if p.shape[-2] >= FUSE_MIN_TOKENS else None
+        return out if out is not None else q @ self.dequantize(p).float().transpose(-1, -2)
+
+    def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
+        """``sum_t w_t v_t`` over the stored values: ``w: (B, H, G, T)`` float32 -> ``(B, H, G, D)`` float32."""
+        out = self.fused_weighted_sum(p, w) if p.shape[-2] >= FUSE_MIN_TOKENS else None
+        return out if out is not None else w @ self.dequantize(p).float()
+
+    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
+        """Override with a one-pass computation on the codes (see :mod:`niah.kv.attend`); ``None``: dequantize."""
+        return None
+
+    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
+        """Override like :meth:`fused_scores`; ``None``: dequantize."""
+        return None
 
     @staticmethod
     def bits_per_value(p: Packed) -> float:

@@ -6,7 +6,9 @@ tokens in full precision, ``(batch, kv_heads, tokens, head_dim)``.  Whenever the
 With ``residual = 0`` and ``token_group = 1`` (q8_0, q4_0, fp8...) every token is quantized as soon as it is
 stored, as llama.cpp does, so even the question's own tokens are read back quantized.
 
-Reading a layer dequantizes its chunks.  ``keep_dequantized=True`` memoizes the dequantized chunks
+Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
+``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the codes directly
+(:mod:`niah.kv.attend`) and nothing is dequantized.  ``keep_dequantized=True`` memoizes the dequantized chunks
 (the numbers are identical; quality runs use it for speed); it is *not* storage, and :meth:`nbytes`
 never counts it.  The decode-speed benchmark runs with ``keep_dequantized=False``: every step
 dequantizes the whole stored cache, the real decode path.
@@ -14,19 +16,28 @@ dequantizes the whole stored cache, the real decode path.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
+from .attend import FUSE_MIN_TOKENS, decode_attention
 from .registry import KVMethod
+
+FUSED = "niah_packed"  # the attention implementation that reads PackedLayer codes in decode steps
 
 
 class PackedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True):
+    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True, fused_decode: bool = False):
         super().__init__()
         self.method = method
+        self.fused_decode = fused_decode
         self.kq = method.key.for_layer(layer_idx)
         self.vq = method.value.for_layer(layer_idx)
         self.keep_dequantized = keep_dequantized
@@ -78,6 +89,8 @@ class PackedLayer(CacheLayerMixin):
         self.res_k = torch.cat([self.res_k, key_states], dim=-2)
         self.res_v = torch.cat([self.res_v, value_states], dim=-2)
         self._flush()
+        if self.fused_decode and key_states.shape[-2] == 1:
+            return self, self  # read by packed_attention (one decode step), not dequantized
         dk, dv = self._dequantized()
         return torch.cat([dk, self.res_k], dim=-2), torch.cat([dv, self.res_v], dim=-2)
 
@@ -102,14 +115,14 @@ class PackedLayer(CacheLayerMixin):
 class PackedCache(Cache):
     """One :class:`PackedLayer` per decoder layer."""
 
-    def __init__(self, method: KVMethod, num_layers: int, keep_dequantized: bool = True):
-        super().__init__(layers=[PackedLayer(method, i, keep_dequantized) for i in range(num_layers)])
+    def __init__(self, method: KVMethod, num_layers: int, keep_dequantized: bool = True, fused_decode: bool = False):
+        super().__init__(layers=[PackedLayer(method, i, keep_dequantized, fused_decode) for i in range(num_layers)])
         self.method = method
 
     @classmethod
-    def from_kv(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], method: KVMethod, keep_dequantized: bool = True) -> "PackedCache":
+    def from_kv(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], method: KVMethod, keep_dequantized: bool = True, fused_decode: bool = False) -> "PackedCache":
         """Store a prefilled context (per layer ``(keys, values)``, each ``(batch, kv_heads, tokens, head_dim)``)."""
-        cache = cls(method, len(kv), keep_dequantized)
+        cache = cls(method, len(kv), keep_dequantized, fused_decode)
         for layer, (k, v) in zip(cache.layers, kv):
             layer.update(k, v)
         return cache
@@ -125,3 +138,39 @@ class PackedCache(Cache):
         packed = sum(layer.nbytes()[0] for layer in self.layers)
         res = sum(layer.nbytes()[1] for layer in self.layers)
         return {"packed": packed, "residual": res, "total": packed + res}
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers attention function: decode steps of a ``fused_decode`` cache read the codes; else SDPA."""
+    if isinstance(key, PackedLayer):
+        out = decode_attention(query, key, module.scaling if scaling is None else scaling)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+@contextlib.contextmanager
+def fused_decoding(model):
+    """Within the block, ``model`` attends through :func:`packed_attention` (masks as for SDPA).
+
+    One sequence, no padding: a decode step's single query sees the whole cache, so it needs no mask.
+    """
+    AttentionInterface.register(FUSED, packed_attention)
+    AttentionMaskInterface.register(FUSED, sdpa_mask)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+    old = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation = FUSED
+        yield model
+    finally:
+        for c, impl in zip(configs, old):
+            c._attn_implementation = impl
+
+
+def warm_up(method: KVMethod, kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
+    """Compile ``method``'s fused kernels now (store, prefill-style read, decode step), so timings exclude it."""
+    x = torch.randn(1, kv_heads, 2 * FUSE_MIN_TOKENS + 1, head_dim, device=device)
+    layer = PackedLayer(method, 0, keep_dequantized=False, fused_decode=True)
+    layer.update(x[..., :-1, :], x[..., :-1, :])
+    layer.update(x[..., -1:, :], x[..., -1:, :])
+    decode_attention(x[..., -1:, :].repeat(1, 2, 1, 1), layer, head_dim**-0.5)

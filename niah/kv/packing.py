@@ -61,12 +61,20 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``packed: uint8 (..., bytes)`` -> ``codes: uint8 (..., n)``."""
+    return unpack_codes(packed, bits, n).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """:func:`unpack_bits` as int32 codes, in plain tensor ops that ``torch.compile`` fuses into its consumer.
+
+    Each code is assembled from its pieces (:func:`_pieces`) with constant shifts on int16 copies of the bytes.
+    """
     group, nbytes = _layout(bits)
     if packed.shape[-1] != -(-n // group) * nbytes:
         raise ValueError(f"{packed.shape[-1]} bytes do not hold {n} codes of {bits} bits")
-    groups = packed.unflatten(-1, (-1, nbytes))
-    out = torch.zeros(*groups.shape[:-1], group, dtype=torch.uint8, device=packed.device)
+    groups = packed.unflatten(-1, (-1, nbytes)).to(torch.int16)
+    codes = [None] * group
     for slot, byte, shift in _pieces(bits):
-        out[..., slot] |= groups[..., byte] >> shift if shift >= 0 else groups[..., byte] << -shift
-    out &= (1 << bits) - 1
-    return out.flatten(-2)[..., :n]
+        piece = groups[..., byte] >> shift if shift >= 0 else groups[..., byte] << -shift
+        codes[slot] = piece if codes[slot] is None else codes[slot] | piece
+    return (torch.stack(codes, dim=-1) & ((1 << bits) - 1)).flatten(-2)[..., :n].to(torch.int32)

@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from .attend import fused, fused_or_eager
 from .base import KVQuantizer, Packed, check_kv_shape
 from .packing import pack_bits, unpack_bits
 from .registry import register
@@ -38,7 +39,8 @@ BLOCK = 32  # values per scale along head_dim (llama.cpp QK8_0 = QK4_0 = 32; KIV
 
 # Speed notes (CPU, one thread): fresh full-size tensors cost page faults, so each method allocates one
 # float32 working tensor and updates it in place; float -> uint8 casts are ~8x slower than float -> int8, so
-# small codes go through int8; fp8 -> float32 casts are slow for e4m3, so fp8 codes decode by table lookup.
+# small codes go through int8.  fp8 -> float32 casts are slow in eager mode and fast compiled
+# (see niah.kv.attend.fused_or_eager).
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -57,6 +59,61 @@ def _check_blocks(name: str, head_dim: int, block: int) -> None:
             f"{name} quantizes blocks of {block} values along head_dim, so head_dim must be a multiple of {block} "
             f"({', '.join(str(block * k) for k in range(1, 5))}, ...); got head_dim={head_dim}"
         )
+
+
+def _block_scores(values: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``values: (B, H, T, D/32, 32)`` block codes as floats, ``scales: (B, H, T, D/32)``, ``q: (B, H, G, D)``
+    -> ``(B, H, G, T)``: per block, the scale times the query's dot product with the codes."""
+    dots = (values.unsqueeze(2) * q.unflatten(-1, (-1, BLOCK)).unsqueeze(3)).sum(-1)  # (B, H, G, T, D/32)
+    return (dots * scales.unsqueeze(2).float()).sum(-1)
+
+
+def _block_weighted_sum(values: torch.Tensor, scales: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_t w_t scale_t codes_t``: ``w: (B, H, G, T)`` -> ``(B, H, G, D)``; shapes as in :func:`_block_scores`."""
+    ws = w.unsqueeze(-1) * scales.unsqueeze(2).float()  # (B, H, G, T, D/32)
+    return (ws.unsqueeze(-1) * values.unsqueeze(2)).sum(3).flatten(-2)
+
+
+def _q8_values(codes: torch.Tensor) -> torch.Tensor:
+    """q8_0 ``codes: int8 (B, H, T, D)`` -> float32 ``(B, H, T, D/32, 32)``."""
+    return codes.unflatten(-1, (-1, BLOCK)).float()
+
+
+def _q4_values(codes: torch.Tensor) -> torch.Tensor:
+    """q4_0 ``codes: uint8 (B, H, T, D/2)`` (ggml nibble order) -> float32 ``(B, H, T, D/32, 32)``, offset removed."""
+    c = codes.unflatten(-1, (-1, BLOCK // 2))
+    return torch.cat([c & 15, c >> 4], dim=-1).float() - 8
+
+
+def _q4_scores(codes, scales, q):
+    """:func:`_block_scores` for q4_0 without joining the nibbles (faster compiled): each half-block's nibbles
+    against its half of the query."""
+    c = codes.unflatten(-1, (-1, BLOCK // 2)).unsqueeze(2)  # (B, H, 1, T, D/32, 16)
+    qb = q.unflatten(-1, (-1, 2, BLOCK // 2)).unsqueeze(3)  # (B, H, G, 1, D/32, 2, 16)
+    dots = (((c & 15).float() - 8) * qb[..., 0, :] + ((c >> 4).float() - 8) * qb[..., 1, :]).sum(-1)
+    return (dots * scales.unsqueeze(2).float()).sum(-1)
+
+
+def _q8_scores(codes, scales, q):
+    return _block_scores(_q8_values(codes), scales, q)
+
+
+def _q8_weighted_sum(codes, scales, w):
+    return _block_weighted_sum(_q8_values(codes), scales, w)
+
+
+def _q4_weighted_sum(codes, scales, w):
+    return _block_weighted_sum(_q4_values(codes), scales, w)
+
+
+def _q8_0_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks: float32 (B, H, T, D/32, 32)`` -> q8_0 ``codes: int8 (B, H, T, D)``, ``scales: fp16 (B, H, T, D/32)``."""
+    a = blocks.abs()
+    d = a.amax(-1, keepdim=True) / 127
+    # roundf(x * (1/d)) = sign(x) * trunc(|x| * (1/d) + (0.5 - 2**-25)): adding the float32 just below 0.5 is
+    # exact or rounds the right way for every float32 (adding 0.5 itself would send 0.49999997 to 1)
+    codes = a.mul_(_inverse(d)).add_(0.5 - 2**-25).copysign_(blocks).to(torch.int8)
+    return codes.flatten(-2), d.squeeze(-1).half()
 
 
 class _HeadBlocks(KVQuantizer):
@@ -96,16 +153,17 @@ class Q8_0(_HeadBlocks):
     code_bits = 8
 
     def quantize(self, x: torch.Tensor) -> Packed:
-        blocks = self._blocks(x)
-        a = blocks.abs()
-        d = a.amax(-1, keepdim=True) / 127
-        # roundf(x * (1/d)) = sign(x) * trunc(|x| * (1/d) + (0.5 - 2**-25)): adding the float32 just below 0.5 is
-        # exact or rounds the right way for every float32 (adding 0.5 itself would send 0.49999997 to 1)
-        codes = a.mul_(_inverse(d)).add_(0.5 - 2**-25).copysign_(blocks).to(torch.int8)
-        return Packed({"codes": codes.flatten(-2), "scales": d.squeeze(-1).half()}, tuple(x.shape), x.dtype)
+        codes, scales = fused_or_eager(_q8_0_encode, self._blocks(x), tokens=x.shape[-2])
+        return Packed({"codes": codes, "scales": scales}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
         return self._scaled(p.tensors["codes"].float().unflatten(-1, (-1, BLOCK)), p)
+
+    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
+        return fused(_q8_scores, p.tensors["codes"], p.tensors["scales"], q)
+
+    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
+        return fused(_q8_weighted_sum, p.tensors["codes"], p.tensors["scales"], w)
 
 
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
@@ -152,6 +210,12 @@ class Q4_0(_HeadBlocks):
         values[..., 0, :] = packed & 15
         values[..., 1, :] = packed >> 4
         return self._scaled(values.sub_(8).flatten(-2), p)
+
+    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
+        return fused(_q4_scores, p.tensors["codes"], p.tensors["scales"], q)
+
+    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
+        return fused(_q4_weighted_sum, p.tensors["codes"], p.tensors["scales"], w)
 
 
 def _e2m1_code_table() -> torch.Tensor:
@@ -218,21 +282,44 @@ class FP8(KVQuantizer):
 
     def quantize(self, x: torch.Tensor) -> Packed:
         check_kv_shape(x)
-        a = x.float().abs()
-        scale = a.amax((-2, -1)) / torch.finfo(self.fp8).max
-        scale = torch.where(scale == 0, 1.0, scale)  # an all-zero head: any scale gives zero codes
-        # |x / scale| <= max * (1 + 2**-22), which the cast rounds to max (not to inf/NaN): no clamp needed
-        codes = torch.div(x, scale[..., None, None], out=a).to(self.fp8)  # reuses the |x| buffer
+        codes, scale = fused_or_eager(_fp8_encode, x, self.fp8, tokens=x.shape[-2])
         return Packed({"codes": codes, "scales": scale}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        codes = p.tensors["codes"]
-        table = torch.arange(256, dtype=torch.uint8, device=codes.device).view(self.fp8).float()  # code -> value
-        values = table.index_select(0, codes.view(torch.uint8).flatten().to(torch.int32)).view(p.shape)
-        return values.mul_(p.tensors["scales"][..., None, None]).to(p.dtype)
+        return fused_or_eager(_fp8_decode, p.tensors["codes"], p.tensors["scales"], tokens=p.shape[-2]).to(p.dtype)
 
     def analytical_bits(self, head_dim: int) -> float:
         return 8.0
+
+    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
+        return fused(_fp8_scores, p.tensors["codes"], p.tensors["scales"], q)
+
+    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
+        return fused(_fp8_weighted_sum, p.tensors["codes"], p.tensors["scales"], w)
+
+
+def _fp8_encode(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: (B, H, T, D)`` -> ``codes: fp8 (B, H, T, D)`` and ``scales: fp32 (B, H)``."""
+    a = x.float().abs()
+    scale = a.amax((-2, -1)) / torch.finfo(fp8).max
+    scale = torch.where(scale == 0, 1.0, scale)  # an all-zero head: any scale gives zero codes
+    # |x / scale| <= max * (1 + 2**-22), which the cast rounds to max (not to inf/NaN): no clamp needed
+    return (x.float() / scale[..., None, None]).to(fp8), scale
+
+
+def _fp8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes: fp8 (B, H, T, D)``, ``scales: (B, H)`` -> float32 values (compiled: one vectorized cast loop)."""
+    return codes.float() * scales[..., None, None]
+
+
+def _fp8_scores(codes, scales, q):
+    """fp8 ``codes: (B, H, T, D)``, ``scales: (B, H)``, ``q: (B, H, G, D)`` -> ``(B, H, G, T)``."""
+    return (codes.unsqueeze(2).float() * q.unsqueeze(3)).sum(-1) * scales[..., None, None]
+
+
+def _fp8_weighted_sum(codes, scales, w):
+    """``w: (B, H, G, T)`` -> ``(B, H, G, D)``."""
+    return (w.unsqueeze(-1) * codes.unsqueeze(2).float()).sum(3) * scales[..., None, None]
 
 
 def _minmax_quantize(x: torch.Tensor, bits: int, size: int, dim: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,83 @@
+"""One decode step of attention read straight from the packed cache, without a dequantized copy of it.
+
+The plain decode path dequantizes every stored chunk into a full-precision tensor and then attends: for
+q8_0 that reads 1 byte per value, writes 4 and reads the 4 back.  Here each quantizer scores the query
+against its own codes and sums the values from their codes (:meth:`KVQuantizer.scores`,
+:meth:`KVQuantizer.weighted_sum`); the methods that override them (q8_0, q4_0, fp8, TurboQuant-MSE) do it in
+one fused pass over the codes, compiled with ``torch.compile`` (on the CPU: C++ loops with OpenMP).
+
+* q8_0 / q4_0: ``q . k = sum over blocks of scale * (q_block . codes)``; the codes are unpacked inside the
+  fused loop.
+* fp8: one scale per chunk and head, so ``q . k = scale * (q . float(codes))``.
+* TurboQuant-MSE: ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so ``q . k = ||k|| (Pi q) . c``:
+  the query is rotated once per step and every key costs ``d`` table lookups; the values are summed in the
+  rotated basis and rotated back once (one ``d x d`` matmul per step instead of one per token).
+
+Quantizers also run their encoders (and fp8 its decoder) through :func:`fused_or_eager`: one compiled loop
+instead of several passes over fresh full-size tensors.
+
+The numbers are the same as attending over the dequantized cache up to float32 summation order (the tests
+check it).  Where ``torch.compile`` cannot run (no C++ compiler), every method falls back to
+dequantize-then-multiply, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+FUSE_MIN_TOKENS = 64  # inputs shorter than this (the one-token chunks of decode steps) run eagerly, uncompiled
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+_fallback_warned = False
+
+
+def fused(fn, *args):
+    """``fn(*args)`` through ``torch.compile``; ``None`` if compiling is impossible here (then warn once)."""
+    global _fallback_warned
+    try:
+        return _compiled(fn)(*args)
+    except Exception as err:  # a missing or broken C++ toolchain surfaces as many different exception types
+        if not _fallback_warned:
+            warnings.warn(f"fused KV attention unavailable ({type(err).__name__}: {str(err)[:200]}); dequantizing instead", stacklevel=2)
+            _fallback_warned = True
+        return None
+
+
+def fused_or_eager(fn, *args, tokens: int):
+    """``fn(*args)``: compiled for inputs of at least :data:`FUSE_MIN_TOKENS` tokens where compiling works, else
+    eagerly (the same function, so the same numbers up to float rounding order)."""
+    out = fused(fn, *args) if tokens >= FUSE_MIN_TOKENS else None
+    return out if out is not None else fn(*args)
+
+
+def decode_attention(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
+    """Attention of ``query: (B, Hq, 1, d)`` over everything a :class:`~niah.kv.cache.PackedLayer` stores.
+
+    Returns ``(B, Hq, 1, d)`` in the query's dtype.  ``Hq`` must be a multiple of the cache's KV heads
+    (grouped-query attention).  No mask: one new token of one sequence sees the whole cache.
+    """
+    b, hq, _, d = query.shape
+    hkv = layer.res_k.shape[1]
+    q = query.float().view(b, hkv, hq // hkv, d) * scaling  # (B, Hkv, G, d)
+    parts = [(layer.kq, layer.vq, k, v) for k, v in layer.chunks]
+    scores = [kq.scores(k, q) for kq, _, k, _ in parts]
+    res_k, res_v = layer.res_k.float(), layer.res_v.float()
+    if res_k.shape[-2]:
+        scores.append(q @ res_k.transpose(-1, -2))
+    weights = torch.cat(scores, dim=-1).softmax(dim=-1)  # (B, Hkv, G, T)
+    out, start = torch.zeros_like(q), 0
+    for _, vq, _, v in parts:
+        n = v.shape[-2]
+        out += vq.weighted_sum(v, weights[..., start:start + n])
+        start += n
+    if res_v.shape[-2]:
+        out += weights[..., start:] @ res_v
+    return out.view(b, hq, 1, d).to(query.dtype)

@@ -1,0 +1,62 @@
+"""The fused decode step reads the codes and must give the attention of the dequantized cache."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import niah.kv.attend as attend
+from niah.kv.cache import PackedCache, PackedLayer, fused_decoding
+from niah.kv.registry import get_method
+from niah.protocol import context_kv, prefill
+
+FUSED = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "turbo2", "turbo3", "turbo4"]
+PLAIN = ["fp16", "kivi2", "turbo3_prod", "sliding_window_asym3"]  # no fused kernel: the dequantize fallback
+
+
+def _layer(method: str, tokens: int = 200, kv_heads: int = 2, head_dim: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 1, kv_heads, tokens + 1, head_dim, generator=g)
+    k[..., :3] *= 6.0  # a few large channels, as real keys have
+    fused = PackedLayer(get_method(method), 3, keep_dequantized=False, fused_decode=True)
+    plain = PackedLayer(get_method(method), 3, keep_dequantized=False)
+    for layer in (fused, plain):
+        layer.update(k[..., :tokens, :], v[..., :tokens, :])
+    assert fused.update(k[..., tokens:, :], v[..., tokens:, :]) == (fused, fused)
+    keys, values = plain.update(k[..., tokens:, :], v[..., tokens:, :])
+    return fused, keys, values
+
+
+@pytest.mark.parametrize("method", FUSED + PLAIN)
+def test_fused_step_equals_attention_over_the_dequantized_cache(method):
+    layer, keys, values = _layer(method)
+    q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1))
+    want = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    got = attend.decode_attention(q, layer, 64**-0.5)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["q8_0", "turbo3"])
+def test_the_fused_kernels_run_and_are_not_the_fallback(method, monkeypatch):
+    """A chunk of >= FUSE_MIN_TOKENS tokens is scored by the compiled kernel, not by dequantizing."""
+    layer, _, _ = _layer(method)
+    kq = layer.kq
+    p = layer.chunks[0][0]
+    assert p.shape[-2] >= attend.FUSE_MIN_TOKENS
+    q = torch.randn(1, 2, 3, 64)
+    assert kq.fused_scores(p, q) is not None, "torch.compile failed here: the fused path fell back"
+    monkeypatch.setattr(type(kq), "dequantize", lambda *a: pytest.fail("the fused path dequantized"))
+    kq.scores(p, q)
+
+
+def test_decoding_a_real_model_through_the_fused_path_gives_the_same_tokens(tiny):
+    ids = list(range(40, 240))
+    kv = context_kv(prefill(tiny.model, ids, chunk=128))
+    runs = {}
+    for fused in (False, True):
+        cache = PackedCache.from_kv(kv, get_method("q8_0"), keep_dequantized=False, fused_decode=fused)
+        with fused_decoding(tiny.model):
+            logits = [tiny.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in (5, 6, 7)]
+        runs[fused] = torch.stack(logits)
+    torch.testing.assert_close(runs[True], runs[False], rtol=1e-4, atol=1e-4)
+    assert tiny.model.config._attn_implementation != "niah_packed", "fused_decoding must restore the model"
