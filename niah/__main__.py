@@ -1,4 +1,4 @@
-"""Command line: ``python -m niah {run,reproduce,report,env}``; see ``python -m niah -h``."""
+"""Command line: ``python -m niah {run,reproduce,report,report-check,summary,bench,env}``; see ``python -m niah -h``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 03")
     p = sub.add_parser("report", help="export the executed chain as one HTML report")
     p.add_argument("--config", default="cpu")
+    p = sub.add_parser("report-check", help="render the HTML report in headless Chromium and check its figures and ledger")
+    p.add_argument("--config", default="cpu")
     sub.add_parser("env", help="print the environment record")
     p = sub.add_parser("summary", help="print a run's results as Markdown tables (for the README)")
     p.add_argument("--config", default="cpu")
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import ConfigError
     from .models import ModelUnavailable
+    from .reportcheck import ReportCheckError
 
     try:
         if args.cmd == "run":
@@ -54,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             from .chain import report
 
             print(f"report: {report(args.config)}")
+        elif args.cmd == "report-check":
+            from .chain import check
+
+            print(json.dumps(check(args.config), indent=1))
         elif args.cmd == "bench":
             _bench_kv(args)
         elif args.cmd == "summary":
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             from .env import environment_record
 
             print(json.dumps(environment_record(), indent=1))
-    except (ConfigError, ModelUnavailable, FileNotFoundError) as err:
+    except (ConfigError, ModelUnavailable, FileNotFoundError, ReportCheckError) as err:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     return 0

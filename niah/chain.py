@@ -67,3 +67,25 @@ def report(config: str, run_root: Path | None = None) -> Path:
     tmp.write_text(html, encoding="utf-8")
     tmp.rename(target)
     return target
+
+
+def check(config: str, run_root: Path | None = None) -> dict:
+    """Render ``report.html`` of ``config`` in headless Chromium (:mod:`niah.reportcheck`): every figure of the
+    executed notebooks must decode, and the claims ledger table must list every claim with a verdict."""
+    import nbformat
+
+    from .claims import CLAIMS
+    from .reportcheck import check_report
+
+    out = run_dir(config, run_root)
+    target = out / "report.html"
+    if not target.exists():
+        raise FileNotFoundError(f"no report in {out}: run `make report CONFIG={config}` first")
+    figures = sum(
+        "image/png" in o.get("data", {})
+        for nb in chain() if (out / nb.name).exists()
+        for c in nbformat.read(out / nb.name, as_version=4).cells if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
+    floor = len(load_config(config)["niah"]["methods"])  # at least one needle heatmap per KV method
+    return check_report(target, [c.id for c in CLAIMS], max(figures, floor))

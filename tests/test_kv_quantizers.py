@@ -304,3 +304,15 @@ def test_q8_0_rounding_matches_gguf_on_every_float_near_ties():
     codes = quantizer("q8_0").quantize(x).tensors["codes"]
     expected = gguf_blocks(x, gguf.GGMLQuantizationType.Q8_0)[..., 2:].view(np.int8).reshape(codes.shape)
     np.testing.assert_array_equal(codes.numpy(), expected)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_codes_decode_exactly_eager_and_compiled(fp8):
+    from niah.kv.quantizers import _fp8_float
+
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8)
+    want = codes.float()
+    finite = want.isfinite()
+    for decode in (_fp8_float, torch.compile(_fp8_float)):
+        got = decode(codes)
+        assert torch.equal(got[finite], want[finite]), fp8

@@ -39,8 +39,7 @@ BLOCK = 32  # values per scale along head_dim (llama.cpp QK8_0 = QK4_0 = 32; KIV
 
 # Speed notes (CPU, one thread): fresh full-size tensors cost page faults, so each method allocates one
 # float32 working tensor and updates it in place; float -> uint8 casts are ~8x slower than float -> int8, so
-# small codes go through int8.  fp8 -> float32 casts are slow in eager mode and fast compiled
-# (see niah.kv.attend.fused_or_eager).
+# small codes go through int8; e4m3 -> float32 casts are slow, so its bits are moved by hand (_fp8_float).
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -307,19 +306,32 @@ def _fp8_encode(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.
     return (x.float() / scale[..., None, None]).to(fp8), scale
 
 
+def _fp8_float(codes: torch.Tensor) -> torch.Tensor:
+    """fp8 codes -> float32, exactly.  e5m2 is the top byte of an fp16, so its cast is cheap; e4m3fn's cast is
+    slow on the CPU, so its bits are moved into float32 position instead (sign, exponent rebiased from 7 to 127,
+    mantissa), with subnormals (exponent 0: ``mantissa * 2**-9``) handled apart.  The stored codes are never NaN."""
+    if codes.dtype != torch.float8_e4m3fn:
+        return codes.float()
+    b = codes.view(torch.uint8).to(torch.int32)
+    exponent, mantissa = (b >> 3) & 15, b & 7
+    normal = (((b & 128) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).view(torch.float32)
+    subnormal = (mantissa * (1 - (b >> 6 & 2))).float() * 2.0**-9
+    return torch.where(exponent == 0, subnormal, normal)
+
+
 def _fp8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``codes: fp8 (B, H, T, D)``, ``scales: (B, H)`` -> float32 values (compiled: one vectorized cast loop)."""
-    return codes.float() * scales[..., None, None]
+    """``codes: fp8 (B, H, T, D)``, ``scales: (B, H)`` -> float32 values."""
+    return _fp8_float(codes) * scales[..., None, None]
 
 
 def _fp8_scores(codes, scales, q):
     """fp8 ``codes: (B, H, T, D)``, ``scales: (B, H)``, ``q: (B, H, G, D)`` -> ``(B, H, G, T)``."""
-    return (codes.unsqueeze(2).float() * q.unsqueeze(3)).sum(-1) * scales[..., None, None]
+    return (_fp8_float(codes).unsqueeze(2) * q.unsqueeze(3)).sum(-1) * scales[..., None, None]
 
 
 def _fp8_weighted_sum(codes, scales, w):
     """``w: (B, H, G, T)`` -> ``(B, H, G, D)``."""
-    return (w.unsqueeze(-1) * codes.unsqueeze(2).float()).sum(3) * scales[..., None, None]
+    return (w.unsqueeze(-1) * _fp8_float(codes).unsqueeze(2)).sum(3) * scales[..., None, None]
 
 
 def _minmax_quantize(x: torch.Tensor, bits: int, size: int, dim: int) -> dict[str, torch.Tensor]:
