@@ -43,6 +43,10 @@ def dominant_period(times, values, min_strength: float = 0.3) -> Oscillation:
     t, v = np.asarray(times, float), np.asarray(values, float)
     if len(t) < 8:
         raise ValueError(f"a period needs at least 8 samples; got {len(t)}")
+    t, first = np.unique(t, return_index=True)  # a busy sampler thread can repeat a (rounded) timestamp
+    v = v[first]
+    if len(t) < 8:
+        return Oscillation(None, float(v.max() - v.min()), 0.0)
     dt = np.median(np.diff(t))
     grid = np.arange(t[0], t[-1], dt)
     u = np.interp(grid, t, v)

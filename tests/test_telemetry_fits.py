@@ -44,3 +44,12 @@ def test_dominant_period_finds_a_planted_oscillation_and_none_in_a_ramp():
     assert osc.amplitude == pytest.approx(6e8, rel=0.05)
     flat = dominant_period(t, 1e9 + 1e7 * t)
     assert flat.period_s is None and flat.amplitude < 1e3
+
+
+def test_dominant_period_survives_repeated_timestamps():
+    """A loaded machine's sampler can record the same rounded time more than once (CI hit this)."""
+    t = np.repeat(np.arange(0, 2, 0.02), 3).round(4)
+    osc = dominant_period(t, np.sin(2 * np.pi * t / 0.25))
+    assert osc.period_s == pytest.approx(0.25, rel=0.1)
+    few = dominant_period([0.0] * 6 + [0.1, 0.1], [1.0] * 8)
+    assert few.period_s is None
