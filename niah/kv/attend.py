@@ -67,16 +67,15 @@ def decode_attention(query: torch.Tensor, layer, scaling: float) -> torch.Tensor
     b, hq, _, d = query.shape
     hkv = layer.res_k.shape[1]
     q = query.float().view(b, hkv, hq // hkv, d) * scaling  # (B, Hkv, G, d)
-    parts = [(layer.kq, layer.vq, k, v) for k, v in layer.chunks]
-    scores = [kq.scores(k, q) for kq, _, k, _ in parts]
+    scores = [layer.kq.scores(k, q) for k, _ in layer.chunks]
     res_k, res_v = layer.res_k.float(), layer.res_v.float()
     if res_k.shape[-2]:
         scores.append(q @ res_k.transpose(-1, -2))
     weights = torch.cat(scores, dim=-1).softmax(dim=-1)  # (B, Hkv, G, T)
     out, start = torch.zeros_like(q), 0
-    for _, vq, _, v in parts:
+    for _, v in layer.chunks:
         n = v.shape[-2]
-        out += vq.weighted_sum(v, weights[..., start:start + n])
+        out += layer.vq.weighted_sum(v, weights[..., start:start + n])
         start += n
     if res_v.shape[-2]:
         out += weights[..., start:] @ res_v

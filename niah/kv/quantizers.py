@@ -79,9 +79,14 @@ def _q8_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_values(codes: torch.Tensor) -> torch.Tensor:
-    """q4_0 ``codes: uint8 (B, H, T, D/2)`` (ggml nibble order) -> float32 ``(B, H, T, D/32, 32)``, offset removed."""
-    c = codes.unflatten(-1, (-1, BLOCK // 2))
-    return torch.cat([c & 15, c >> 4], dim=-1).float() - 8
+    """q4_0 ``codes: uint8 (B, H, T, D/2)`` (ggml nibble order) -> float32 ``(B, H, T, D/32, 32)``, offset removed.
+
+    Written into one float32 tensor (low nibbles are values 0-15 of a block, high nibbles 16-31)."""
+    packed = codes.unflatten(-1, (-1, BLOCK // 2))
+    values = torch.empty(*packed.shape[:-1], 2, BLOCK // 2, device=packed.device)
+    values[..., 0, :] = packed & 15
+    values[..., 1, :] = packed >> 4
+    return values.sub_(8).flatten(-2)
 
 
 def _q4_scores(codes, scales, q):
@@ -102,7 +107,11 @@ def _q8_weighted_sum(codes, scales, w):
 
 
 def _q4_weighted_sum(codes, scales, w):
-    return _block_weighted_sum(_q4_values(codes), scales, w)
+    """:func:`_block_weighted_sum` for q4_0, low and high nibbles summed apart (as in :func:`_q4_scores`)."""
+    c = codes.unflatten(-1, (-1, BLOCK // 2)).unsqueeze(2)  # (B, H, 1, T, D/32, 16)
+    ws = (w.unsqueeze(-1) * scales.unsqueeze(2).float()).unsqueeze(-1)  # (B, H, G, T, D/32, 1)
+    low, high = (ws * ((c & 15).float() - 8)).sum(3), (ws * ((c >> 4).float() - 8)).sum(3)  # (B, H, G, D/32, 16)
+    return torch.cat([low, high], dim=-1).flatten(-2)
 
 
 def _q8_0_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +165,7 @@ class Q8_0(_HeadBlocks):
         return Packed({"codes": codes, "scales": scales}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        return self._scaled(p.tensors["codes"].float().unflatten(-1, (-1, BLOCK)), p)
+        return self._scaled(_q8_values(p.tensors["codes"]), p)
 
     def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
         return fused(_q8_scores, p.tensors["codes"], p.tensors["scales"], q)
@@ -204,11 +213,7 @@ class Q4_0(_HeadBlocks):
         return Packed({"codes": packed.flatten(-2), "scales": d.squeeze(-1).half()}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        packed = p.tensors["codes"].unflatten(-1, (-1, BLOCK // 2))
-        values = torch.empty(*packed.shape[:-1], 2, BLOCK // 2, device=packed.device)
-        values[..., 0, :] = packed & 15
-        values[..., 1, :] = packed >> 4
-        return self._scaled(values.sub_(8).flatten(-2), p)
+        return self._scaled(_q4_values(p.tensors["codes"]), p)
 
     def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
         return fused(_q4_scores, p.tensors["codes"], p.tensors["scales"], q)
@@ -299,11 +304,11 @@ class FP8(KVQuantizer):
 
 def _fp8_encode(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x: (B, H, T, D)`` -> ``codes: fp8 (B, H, T, D)`` and ``scales: fp32 (B, H)``."""
-    a = x.float().abs()
-    scale = a.amax((-2, -1)) / torch.finfo(fp8).max
+    xf = x.float()
+    scale = xf.abs().amax((-2, -1)) / torch.finfo(fp8).max
     scale = torch.where(scale == 0, 1.0, scale)  # an all-zero head: any scale gives zero codes
     # |x / scale| <= max * (1 + 2**-22), which the cast rounds to max (not to inf/NaN): no clamp needed
-    return (x.float() / scale[..., None, None]).to(fp8), scale
+    return (xf / scale[..., None, None]).to(fp8), scale
 
 
 def _fp8_float(codes: torch.Tensor) -> torch.Tensor:

@@ -297,7 +297,6 @@ class TurboQuantMSE(_Turbo):
         y = _codebook(d, self.bits, codes.device).decode_packed(codes, d)
         return _unrotate_scaled(y, self._matrices("rot", d, h, codes.device), p.tensors["norm"]).to(p.dtype)
 
-
     def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
         d = p.shape[-1]
         book = _codebook(d, self.bits, q.device)
