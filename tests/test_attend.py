@@ -1,5 +1,7 @@
 """The fused decode step reads the codes and must give the attention of the dequantized cache."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,17 +38,43 @@ def test_fused_step_equals_attention_over_the_dequantized_cache(method):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["q8_0", "turbo3"])
-def test_the_fused_kernels_run_and_are_not_the_fallback(method, monkeypatch):
+@pytest.mark.parametrize("method", FUSED)
+def test_the_fused_kernels_run_compiled_and_do_not_dequantize(method, monkeypatch):
     """A chunk of >= FUSE_MIN_TOKENS tokens is scored by the compiled kernel, not by dequantizing."""
     layer, _, _ = _layer(method)
-    kq = layer.kq
-    p = layer.chunks[0][0]
+    kq, p = layer.kq, layer.chunks[0][0]
     assert p.shape[-2] >= attend.FUSE_MIN_TOKENS
-    q = torch.randn(1, 2, 3, 64)
-    assert kq.fused_scores(p, q) is not None, "torch.compile failed here: the fused path fell back"
     monkeypatch.setattr(type(kq), "dequantize", lambda *a: pytest.fail("the fused path dequantized"))
-    kq.scores(p, q)
+    kq.scores(p, torch.randn(1, 2, 3, 64))
+    assert attend._compile_error is None, f"torch.compile failed here: {attend._compile_error}"
+
+
+def test_a_compile_failure_runs_the_kernel_eagerly_with_one_warning(monkeypatch):
+    monkeypatch.setattr(attend, "_compile_error", None)
+
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(attend, "_compiled", broken)
+    x = torch.arange(6.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(attend.fused(torch.square, x), x * x)
+        assert torch.equal(attend.fused(torch.square, x), x * x)  # no second compile attempt, no second warning
+    assert [str(w.message) for w in caught] == ["torch.compile failed (RuntimeError: no C++ compiler); fused KV kernels run eagerly (slower)"]
+
+
+def test_a_bug_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypatch):
+    monkeypatch.setattr(attend, "_compile_error", None)
+
+    def wrong_shapes(a, b):
+        return a @ b
+
+    with pytest.raises(RuntimeError):
+        attend.fused(wrong_shapes, torch.ones(2, 4), torch.ones(3, 5))
+    assert attend._compile_error is None
 
 
 def test_decoding_a_real_model_through_the_fused_path_gives_the_same_tokens(tiny):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from niah.haystack import haystack_text, tokenize_haystack
-from niah.kv.cache import PackedCache
+from niah.kv.cache import PackedCache, PackedLayer
 from niah.kv.registry import available, get_method
 from niah.needles import NeedleSpec, make_trial
 from niah.prompts import build_cell
@@ -58,3 +58,28 @@ def test_kl_against_fp16_is_ordered_by_precision(setup):
 def test_unsupported_head_dim_names_the_method_and_the_choices():
     with pytest.raises(ValueError, match="q8_0"):
         get_method("q8_0").check_head_dim(48)
+
+
+
+@pytest.mark.parametrize("method", ["q8_0", "q4_0", "turbo3", "turbo3_prod"])
+@pytest.mark.parametrize("keep", [True, False])
+def test_decode_steps_merge_chunks_without_changing_what_is_read(method, keep):
+    """One-token decode chunks of tokenwise formats merge into O(log n) chunks; every read equals that of a
+    cache that keeps them apart, with or without the dequantized memo."""
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 1, 2, 140, 64, generator=g)
+    layer = PackedLayer(get_method(method), 1, keep_dequantized=keep)
+    apart = PackedLayer(get_method(method), 1, keep_dequantized=False)
+    apart.kq.tokenwise = apart.vq.tokenwise = False
+    for cache in (layer, apart):
+        cache.update(k[..., :100, :], v[..., :100, :])
+    for t in range(100, 140):
+        want = apart.update(k[..., t : t + 1, :], v[..., t : t + 1, :])
+        got = layer.update(k[..., t : t + 1, :], v[..., t : t + 1, :])
+        torch.testing.assert_close(got, want)  # float rounding only: a merged chunk is dequantized in one matmul
+    assert len(apart.chunks) == 41
+    assert len(layer.chunks) <= 1 + 6, f"{len(layer.chunks)} chunks after 40 decode steps"
+    for kind in (0, 1):  # the stored codes are the same bits
+        for name in layer.chunks[0][kind].tensors:
+            joined = [torch.cat([c[kind].tensors[name] for c in chunks], dim=2) for chunks in (layer.chunks, apart.chunks)]
+            assert torch.equal(*joined), name

@@ -17,8 +17,8 @@ Quantizers also run their encoders (and fp8 its decoder) through :func:`fused_or
 instead of several passes over fresh full-size tensors.
 
 The numbers are the same as attending over the dequantized cache up to float32 summation order (the tests
-check it).  Where ``torch.compile`` cannot run (no C++ compiler), every method falls back to
-dequantize-then-multiply, with one warning.
+check it).  Where ``torch.compile`` cannot run (no C++ compiler), the same functions run eagerly, with one
+warning; an error that the eager run raises too (a real bug, such as a shape mismatch) is raised.
 """
 
 from __future__ import annotations
@@ -36,26 +36,31 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
-_fallback_warned = False
+_compile_error: str | None = None  # set at the first compile failure; later calls run eagerly
 
 
 def fused(fn, *args):
-    """``fn(*args)`` through ``torch.compile``; ``None`` if compiling is impossible here (then warn once)."""
-    global _fallback_warned
-    try:
-        return _compiled(fn)(*args)
-    except Exception as err:  # a missing or broken C++ toolchain surfaces as many different exception types
-        if not _fallback_warned:
-            warnings.warn(f"fused KV attention unavailable ({type(err).__name__}: {str(err)[:200]}); dequantizing instead", stacklevel=2)
-            _fallback_warned = True
-        return None
+    """``fn(*args)`` through ``torch.compile``, or eagerly where compiling fails here (warned once).
+
+    A compile failure is told apart from a bug in ``fn`` by running ``fn`` eagerly: if that raises too, the
+    error is the eager one and propagates.
+    """
+    global _compile_error
+    if _compile_error is None:
+        try:
+            return _compiled(fn)(*args)
+        except Exception as err:  # a missing or broken C++ toolchain surfaces as many different exception types
+            out = fn(*args)  # raises if the bug is in fn itself
+            _compile_error = f"{type(err).__name__}: {str(err)[:200]}"
+            warnings.warn(f"torch.compile failed ({_compile_error}); fused KV kernels run eagerly (slower)", stacklevel=2)
+            return out
+    return fn(*args)
 
 
 def fused_or_eager(fn, *args, tokens: int):
-    """``fn(*args)``: compiled for inputs of at least :data:`FUSE_MIN_TOKENS` tokens where compiling works, else
-    eagerly (the same function, so the same numbers up to float rounding order)."""
-    out = fused(fn, *args) if tokens >= FUSE_MIN_TOKENS else None
-    return out if out is not None else fn(*args)
+    """``fn(*args)``: compiled (:func:`fused`) for inputs of at least :data:`FUSE_MIN_TOKENS` tokens, else eagerly
+    (the same function, so the same numbers up to float rounding order)."""
+    return fused(fn, *args) if tokens >= FUSE_MIN_TOKENS else fn(*args)
 
 
 def decode_attention(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:

@@ -52,11 +52,15 @@ class KVQuantizer(ABC):
     ``residual``: the newest tokens kept in full precision (KIVI keeps 128); 0 means every token is
     quantized as soon as it is stored, as llama.cpp does.
     ``token_group``: tokens that must be quantized together (KIVI's per-channel keys need 32).
+    ``tokenwise``: every stored tensor is ``(B, H, T, ...)`` and each token is coded on its own, so two stored
+    blocks concatenate along dim 2 (:func:`concat_tokens`); the cache then merges the one-token chunks of
+    decode steps instead of letting them pile up.
     """
 
     name: str = "base"
     residual: int = 0
     token_group: int = 1
+    tokenwise: bool = False
 
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> Packed:
@@ -100,6 +104,13 @@ class KVQuantizer(ABC):
     def bits_per_value(p: Packed) -> float:
         """Measured bits per value: 8 * stored bytes / number of values."""
         return 8.0 * p.nbytes() / p.numel
+
+
+def concat_tokens(a: Packed, b: Packed) -> Packed:
+    """``a`` then ``b`` as one block, for ``tokenwise`` formats (every tensor ``(B, H, T, ...)``)."""
+    tensors = {k: torch.cat([a.tensors[k], b.tensors[k]], dim=2) for k in a.tensors}
+    shape = (*a.shape[:2], a.shape[2] + b.shape[2], *a.shape[3:])
+    return Packed(tensors, shape, a.dtype, dict(a.meta))
 
 
 def check_kv_shape(x: torch.Tensor) -> None:

@@ -4,7 +4,10 @@ Each layer holds ``chunks``: a list of (packed keys, packed values) blocks, and 
 tokens in full precision, ``(batch, kv_heads, tokens, head_dim)``.  Whenever the residual grows past
 ``method.residual + method.token_group`` tokens, its oldest whole groups are quantized into a new chunk.
 With ``residual = 0`` and ``token_group = 1`` (q8_0, q4_0, fp8...) every token is quantized as soon as it is
-stored, as llama.cpp does, so even the question's own tokens are read back quantized.
+stored, as llama.cpp does, so even the question's own tokens are read back quantized.  For ``tokenwise``
+formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter),
+so ``n`` decode steps leave ``O(log n)`` chunks, each token is copied ``O(log n)`` times, and a long decode
+reads a few large chunks through the fused kernels rather than many one-token ones.
 
 Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
 ``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the codes directly
@@ -25,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .attend import FUSE_MIN_TOKENS, decode_attention
+from .base import concat_tokens
 from .registry import KVMethod
 
 FUSED = "niah_packed"  # the attention implementation that reads PackedLayer codes in decode steps
@@ -43,8 +47,7 @@ class PackedLayer(CacheLayerMixin):
         self.keep_dequantized = keep_dequantized
         self.chunks: list = []
         self.res_k = self.res_v = None
-        self._deq: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._deq_chunks = 0
+        self._deq: tuple[torch.Tensor, torch.Tensor] | None = None  # the first tokens, dequantized (memo)
 
     def lazy_initialization(self, key_states, value_states):
         self.device = key_states.device
@@ -67,20 +70,29 @@ class PackedLayer(CacheLayerMixin):
             return
         self.chunks.append((self.kq.quantize(self.res_k[..., :n, :]), self.vq.quantize(self.res_v[..., :n, :])))
         self.res_k, self.res_v = self.res_k[..., n:, :].contiguous(), self.res_v[..., n:, :].contiguous()
+        if self.kq.tokenwise and self.vq.tokenwise:
+            while len(self.chunks) > 1 and self.chunks[-2][0].shape[-2] <= self.chunks[-1][0].shape[-2]:
+                (k0, v0), (k1, v1) = self.chunks[-2:]
+                self.chunks[-2:] = [(concat_tokens(k0, k1), concat_tokens(v0, v1))]
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self._deq_chunks if self.keep_dequantized and self._deq is not None else 0
-        new = self.chunks[start:]
-        ks = [self.kq.dequantize(k) for k, _ in new]
-        vs = [self.vq.dequantize(v) for _, v in new]
-        if start:
-            ks.insert(0, self._deq[0])
-            vs.insert(0, self._deq[1])
+        """Keys and values of every chunk, dequantized: ``(B, H, T_chunks, D)`` each."""
+        memo = self._deq if self.keep_dequantized else None
+        done = 0 if memo is None else memo[0].shape[-2]
+        ks, vs = ([memo[0]], [memo[1]]) if done else ([], [])
+        start = 0
+        for k, v in self.chunks:
+            n = k.shape[-2]
+            if start + n > done:  # a merged chunk may begin inside the memo: drop what it already holds
+                skip = max(done - start, 0)
+                ks.append(self.kq.dequantize(k)[..., skip:, :])
+                vs.append(self.vq.dequantize(v)[..., skip:, :])
+            start += n
         if not ks:
             return self.res_k[..., :0, :], self.res_v[..., :0, :]
-        deq = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        deq = (torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)) if len(ks) > 1 else (ks[0], vs[0])
         if self.keep_dequantized:
-            self._deq, self._deq_chunks = deq, len(self.chunks)
+            self._deq = deq
         return deq
 
     def update(self, key_states, value_states, *args, **kwargs):

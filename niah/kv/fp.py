@@ -16,6 +16,7 @@ class CastStorage(KVQuantizer):
 
     name: str = "fp16"
     storage_dtype: torch.dtype = torch.float16
+    tokenwise = True
 
     def quantize(self, x: torch.Tensor) -> Packed:
         check_kv_shape(x)

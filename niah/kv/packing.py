@@ -32,18 +32,10 @@ def _layout(bits: int) -> tuple[int, int]:
     return group, group * bits // 8
 
 
-def _pieces(bits: int):
-    """``(slot, byte, shift)`` for each piece of a code that lands in one byte of its group.
-
-    Code ``slot`` of a group starts at bit ``slot * bits`` of the group's stream; its piece in byte ``byte`` sits
-    ``shift = slot * bits - 8 * byte`` bits up in that byte (negative: the code's low ``-shift`` bits are in the
-    byte before).
-    """
+def _shifts(bits: int, device) -> torch.Tensor:
+    """int32 ``(group,)``: where each code of a group starts in the group's little-endian word."""
     group, _ = _layout(bits)
-    for slot in range(group):
-        start = slot * bits
-        for byte in range(start // 8, (start + bits - 1) // 8 + 1):
-            yield slot, byte, start - 8 * byte
+    return torch.arange(0, group * bits, bits, dtype=torch.int32, device=device)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -52,11 +44,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise ValueError(f"pack_bits takes uint8 codes; got {codes.dtype}")
     group, nbytes = _layout(bits)
-    slots = F.pad(codes, (0, -codes.shape[-1] % group)).unflatten(-1, (-1, group))  # (..., groups, group)
-    out = torch.zeros(*slots.shape[:-1], nbytes, dtype=torch.uint8, device=codes.device)
-    for slot, byte, shift in _pieces(bits):  # uint8 shifts drop the bits that belong to the next byte
-        out[..., byte] |= slots[..., slot] << shift if shift >= 0 else slots[..., slot] >> -shift
-    return out.flatten(-2)
+    slots = F.pad(codes, (0, -codes.shape[-1] % group)).unflatten(-1, (-1, group)).to(torch.int32)
+    word = (slots << _shifts(bits, codes.device)).sum(-1, dtype=torch.int32)  # the codes do not overlap: sum = or
+    return torch.stack([(word >> 8 * i & 255).to(torch.uint8) for i in range(nbytes)], dim=-1).flatten(-2)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -65,16 +55,14 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """:func:`unpack_bits` as int32 codes, in plain tensor ops that ``torch.compile`` fuses into its consumer.
-
-    Each code is assembled from its pieces (:func:`_pieces`) with constant shifts on int16 copies of the bytes.
-    """
+    """:func:`unpack_bits` as int32 codes, in plain tensor ops that ``torch.compile`` fuses into its consumer:
+    each group's bytes form one int32 word, and code ``s`` of the group is ``word >> (s * bits) & mask``."""
     group, nbytes = _layout(bits)
     if packed.shape[-1] != -(-n // group) * nbytes:
         raise ValueError(f"{packed.shape[-1]} bytes do not hold {n} codes of {bits} bits")
-    groups = packed.unflatten(-1, (-1, nbytes)).to(torch.int16)
-    codes = [None] * group
-    for slot, byte, shift in _pieces(bits):
-        piece = groups[..., byte] >> shift if shift >= 0 else groups[..., byte] << -shift
-        codes[slot] = piece if codes[slot] is None else codes[slot] | piece
-    return (torch.stack(codes, dim=-1) & ((1 << bits) - 1)).flatten(-2)[..., :n].to(torch.int32)
+    groups = packed.unflatten(-1, (-1, nbytes)).to(torch.int32)
+    word = groups[..., 0]
+    for i in range(1, nbytes):
+        word = word | groups[..., i] << 8 * i
+    codes = (word.unsqueeze(-1) >> _shifts(bits, packed.device)) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :n]

@@ -128,6 +128,7 @@ class _HeadBlocks(KVQuantizer):
     """Base for formats with ``code_bits``-bit codes and one fp16 scale per block of ``BLOCK`` values along head_dim."""
 
     code_bits: ClassVar[int]
+    tokenwise = True  # blocks run along head_dim: each token is coded on its own
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_blocks(self.name, head_dim, BLOCK)

@@ -279,6 +279,7 @@ class TurboQuantMSE(_Turbo):
 
     name: str = "turbo3"
     bits: int = 3
+    tokenwise = True
 
     def analytical_bits(self, head_dim: int) -> float:
         return self.bits + 16 / head_dim
@@ -307,7 +308,7 @@ class TurboQuantMSE(_Turbo):
         d = p.shape[-1]
         book = _codebook(d, self.bits, w.device)
         rotated = fused(_turbo_weighted_sum_rotated, p.tensors["codes"], p.tensors["norm"], book.centroids, w, self.bits)
-        return None if rotated is None else rotated @ self._matrices("rot", d, p.shape[1], w.device)  # Pi^T, once
+        return rotated @ self._matrices("rot", d, p.shape[1], w.device)  # Pi^T, once
 
 
 def _turbo_scores(codes, norm, centroids, q_rot, bits: int):
@@ -329,6 +330,7 @@ class TurboQuantProd(_Turbo):
 
     name: str = "turbo3_prod"
     bits: int = 3
+    tokenwise = True
 
     def __post_init__(self):
         if self.bits < 2:
