@@ -32,12 +32,6 @@ def _layout(bits: int) -> tuple[int, int]:
     return group, group * bits // 8
 
 
-def _shifts(bits: int, device) -> torch.Tensor:
-    """int32 ``(group,)``: where each code of a group starts in the group's little-endian word."""
-    group, _ = _layout(bits)
-    return torch.arange(0, group * bits, bits, dtype=torch.int32, device=device)
-
-
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codes: uint8 (..., n)``, every value ``< 2**bits`` (not checked)
     -> ``uint8 (..., ceil(n / group) * bytes_per_group)``."""
@@ -45,24 +39,29 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"pack_bits takes uint8 codes; got {codes.dtype}")
     group, nbytes = _layout(bits)
     slots = F.pad(codes, (0, -codes.shape[-1] % group)).unflatten(-1, (-1, group)).to(torch.int32)
-    word = (slots << _shifts(bits, codes.device)).sum(-1, dtype=torch.int32)  # the codes do not overlap: sum = or
+    word = slots[..., 0]
+    for s in range(1, group):
+        word = word | slots[..., s] << s * bits
     return torch.stack([(word >> 8 * i & 255).to(torch.uint8) for i in range(nbytes)], dim=-1).flatten(-2)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``packed: uint8 (..., bytes)`` -> ``codes: uint8 (..., n)``."""
-    return unpack_codes(packed, bits, n).to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """:func:`unpack_bits` as int32 codes, in plain tensor ops that ``torch.compile`` fuses into its consumer:
-    each group's bytes form one int32 word, and code ``s`` of the group is ``word >> (s * bits) & mask``."""
     group, nbytes = _layout(bits)
     if packed.shape[-1] != -(-n // group) * nbytes:
         raise ValueError(f"{packed.shape[-1]} bytes do not hold {n} codes of {bits} bits")
+    return unpack_groups(packed, bits).flatten(-2)[..., :n].to(torch.uint8)
+
+
+def unpack_groups(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``packed: uint8 (..., bytes)`` -> int32 codes ``(..., groups, group)``, in plain tensor ops that
+    ``torch.compile`` fuses into its consumer: each group's bytes form one int32 word, and code ``s`` of the group
+    is ``word >> (s * bits) & mask``.  Compiled consumers should keep the ``(groups, group)`` shape: flattening it
+    first made inductor's CPU loops several times slower here."""
+    group, nbytes = _layout(bits)
     groups = packed.unflatten(-1, (-1, nbytes)).to(torch.int32)
     word = groups[..., 0]
     for i in range(1, nbytes):
         word = word | groups[..., i] << 8 * i
-    codes = (word.unsqueeze(-1) >> _shifts(bits, packed.device)) & ((1 << bits) - 1)
-    return codes.flatten(-2)[..., :n]
+    mask = (1 << bits) - 1
+    return torch.stack([word >> s * bits & mask for s in range(group)], dim=-1)

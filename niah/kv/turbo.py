@@ -68,7 +68,7 @@ import torch
 from .attend import fused
 from .base import KVQuantizer, Packed, check_kv_shape
 from .codebooks import lloyd_max_codebook
-from .packing import pack_bits, unpack_bits, unpack_codes
+from .packing import pack_bits, unpack_bits, unpack_groups
 from .registry import register
 
 _KIND = {"rot": 0, "qjl": 1, "rot_hi": 2, "rot_lo": 3}
@@ -299,29 +299,23 @@ class TurboQuantMSE(_Turbo):
         return _unrotate_scaled(y, self._matrices("rot", d, h, codes.device), p.tensors["norm"]).to(p.dtype)
 
     def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
-        d = p.shape[-1]
-        book = _codebook(d, self.bits, q.device)
-        q_rot = q @ self._matrices("rot", d, p.shape[1], q.device).transpose(-1, -2)  # Pi q, once per step
-        return fused(_turbo_scores, p.tensors["codes"], p.tensors["norm"], book.centroids, q_rot, self.bits)
+        q_rot = q @ self._matrices("rot", p.shape[-1], p.shape[1], q.device).transpose(-1, -2)  # Pi q, once per step
+        return q_rot @ self._rotated(p).transpose(-1, -2)
 
     def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
-        d = p.shape[-1]
-        book = _codebook(d, self.bits, w.device)
-        rotated = fused(_turbo_weighted_sum_rotated, p.tensors["codes"], p.tensors["norm"], book.centroids, w, self.bits)
-        return rotated @ self._matrices("rot", d, p.shape[1], w.device)  # Pi^T, once
+        return (w @ self._rotated(p)) @ self._matrices("rot", p.shape[-1], p.shape[1], w.device)  # Pi^T, once per step
+
+    def _rotated(self, p: Packed) -> torch.Tensor:
+        """``||x|| c(codes)``: the stored vectors in the rotated basis, ``(B, H, T, D)`` float32 (no rotation)."""
+        codes = p.tensors["codes"]
+        book = _codebook(p.shape[-1], self.bits, codes.device)
+        return fused(_scaled_centroids, codes, p.tensors["norm"], book.centroids, self.bits).flatten(-2)
 
 
-def _turbo_scores(codes, norm, centroids, q_rot, bits: int):
-    """``||k|| (Pi q) . c(codes)``: packed ``codes (B, H, T, D*bits/8)``, ``norm: fp16 (B, H, T)``,
-    ``q_rot: (B, H, G, D)`` -> ``(B, H, G, T)``."""
-    c = centroids[unpack_codes(codes, bits, q_rot.shape[-1])]  # (B, H, T, D)
-    return (c.unsqueeze(2) * q_rot.unsqueeze(3)).sum(-1) * norm.unsqueeze(2).float()
-
-
-def _turbo_weighted_sum_rotated(codes, norm, centroids, w, bits: int):
-    """``sum_t w_t ||v_t|| c(codes_t)`` in the rotated basis: ``w: (B, H, G, T)`` -> ``(B, H, G, D)``."""
-    c = centroids[unpack_codes(codes, bits, 8 * codes.shape[-1] // bits)]
-    return ((w * norm.unsqueeze(2).float()).unsqueeze(-1) * c.unsqueeze(2)).sum(3)
+def _scaled_centroids(codes, norm, centroids, bits: int):
+    """``||x|| c(codes)``: packed ``codes (B, H, T, D*bits/8)``, ``norm: fp16 (B, H, T)`` -> ``(B, H, T, D/group, group)``
+    (the caller flattens the last two dims: a free view, while flattening inside made the compiled loop slower)."""
+    return centroids[unpack_groups(codes, bits)] * norm.float()[..., None, None]
 
 
 @dataclass
