@@ -21,7 +21,8 @@ def run_dir(config: str, run_root: Path | None = None) -> Path:
 
 
 def reproduce(config: str, only: list[str] | None = None, run_root: Path | None = None, figures_root: Path | None = None) -> dict:
-    """Execute every notebook (or those whose names start with ``only``) for ``config``; return wall times.
+    """Execute every notebook (or those whose names start with ``only``) for ``config``; return wall times
+    (also written to ``timing.json``, or ``timing_partial.json`` for an ``only`` run).
 
     Executed notebooks and results go to ``papermill_runs/<config>/``, figures to ``figures/<config>/``
     (or under ``run_root`` and ``figures_root``).
@@ -41,7 +42,8 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
         papermill.execute_notebook(str(nb), str(out / nb.name), parameters=params, cwd=str(NOTEBOOKS), progress_bar=False, log_output=True)
         times[nb.name] = round(time.perf_counter() - t0, 1)
     times["total"] = round(sum(times.values()), 1)
-    (out / "timing.json").write_text(json.dumps(times, indent=1))
+    # a partial rerun must not overwrite the whole chain's wall times
+    (out / ("timing_partial.json" if only else "timing.json")).write_text(json.dumps(times, indent=1))
     print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)
     return times
 
