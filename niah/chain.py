@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def report(config: str, run_root: Path | None = None) -> Path:
     merged.metadata = nbformat.read(executed[0], as_version=4).metadata
     merged.metadata["title"] = f"Needle retrieval under KV and weight quantization: config {config}"
     for path in executed:
-        merged.cells.extend(nbformat.read(path, as_version=4).cells)
+        merged.cells.extend(_without_progress_bars(c) for c in nbformat.read(path, as_version=4).cells)
     exporter = HTMLExporter(exclude_input=True, embed_images=True)
     html, _ = exporter.from_notebook_node(merged)
     target = out / "report.html"
@@ -69,6 +70,24 @@ def report(config: str, run_root: Path | None = None) -> Path:
     tmp.write_text(html, encoding="utf-8")
     tmp.rename(target)
     return target
+
+
+_PROGRESS = re.compile(r"\d+%\||IProgress not found|from \.autonotebook import")  # tqdm bars and their notebook warning
+
+
+def _without_progress_bars(cell):
+    """``cell`` with progress-bar lines removed from its stderr streams (other stderr lines, warnings, stay)."""
+    outputs = []
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "stream" and o.get("name") == "stderr":
+            kept = "".join(line for line in o["text"].splitlines(keepends=True) if not _PROGRESS.search(line))
+            if not kept.strip():
+                continue
+            o["text"] = kept
+        outputs.append(o)
+    if "outputs" in cell:
+        cell["outputs"] = outputs
+    return cell
 
 
 def check(config: str, run_root: Path | None = None) -> dict:

@@ -38,3 +38,16 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
     (runs / "report.html").write_text(broken)
     with pytest.raises(ReportCheckError, match="did not decode"):
         check("smoke", run_root=tmp_path / "runs")
+
+
+def test_the_report_drops_progress_bars_but_keeps_warnings():
+    from niah.chain import _without_progress_bars
+
+    bars = "needle grid:  40%|####      | 2/5 [00:01<00:01]\rneedle grid: 100%|##########| 5/5 [00:02<00:00]\n"
+    cell = nbformat.v4.new_code_cell(outputs=[
+        nbformat.v4.new_output("stream", name="stderr", text=bars),
+        nbformat.v4.new_output("stream", name="stderr", text=bars + "UserWarning: torch.compile failed\n"),
+        nbformat.v4.new_output("stream", name="stdout", text="50%| printed on purpose\n"),
+    ])
+    out = _without_progress_bars(cell)["outputs"]
+    assert [o["text"] for o in out] == ["UserWarning: torch.compile failed\n", "50%| printed on purpose\n"]
