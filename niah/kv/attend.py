@@ -3,15 +3,18 @@
 The plain decode path dequantizes every stored chunk into a full-precision tensor and then attends: for
 q8_0 that reads 1 byte per value, writes 4 and reads the 4 back.  Here each quantizer scores the query
 against its own codes and sums the values from their codes (:meth:`KVQuantizer.scores`,
-:meth:`KVQuantizer.weighted_sum`); the methods that override them (q8_0, q4_0, fp8, TurboQuant-MSE) do it in
-one fused pass over the codes, compiled with ``torch.compile`` (on the CPU: C++ loops with OpenMP).
+:meth:`KVQuantizer.weighted_sum`); the methods that override them (q8_0, q4_0, fp8, TurboQuant-MSE) do it from
+the codes, in loops compiled by ``torch.compile`` (on the CPU: C++ loops with OpenMP).
 
 * q8_0 / q4_0: ``q . k = sum over blocks of scale * (q_block . codes)``; the codes are unpacked inside the
   fused loop.
 * fp8: one scale per chunk and head, so ``q . k = scale * (q . float(codes))``.
-* TurboQuant-MSE: ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so ``q . k = ||k|| (Pi q) . c``:
-  the query is rotated once per step and every key costs ``d`` table lookups; the values are summed in the
-  rotated basis and rotated back once (one ``d x d`` matmul per step instead of one per token).
+* TurboQuant-MSE: ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so ``q . k = (Pi q) . (||k|| c)``:
+  one compiled loop turns the codes into ``||k|| c`` (the vectors in the rotated basis, no rotation), the query
+  is rotated once per step, and scores and the weighted sum of values are matmuls against ``||k|| c``; the sum
+  is rotated back once (one ``d x d`` matmul per step instead of one per token).  Unlike the other methods this
+  writes a float copy of the chunk in the rotated basis during the step (inductor's loops that fused the
+  lookups into the dot products ran slower here).
 
 Quantizers also run their encoders (and fp8 its decoder) through :func:`fused_or_eager`: one compiled loop
 instead of several passes over fresh full-size tensors.
