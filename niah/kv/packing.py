@@ -42,7 +42,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     word = slots[..., 0]
     for s in range(1, group):
         word = word | slots[..., s] << s * bits
-    return torch.stack([(word >> 8 * i & 255).to(torch.uint8) for i in range(nbytes)], dim=-1).flatten(-2)
+    return (word[..., None] >> _shifts(8, nbytes, word.device) & 255).to(torch.uint8).flatten(-2)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -54,14 +54,22 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 def unpack_groups(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``packed: uint8 (..., bytes)`` -> int32 codes ``(..., groups, group)``, in plain tensor ops that
+    """``packed: uint8 (..., bytes)`` -> int32 codes ``(..., groups, group)`` (``group = 8`` where the row is whole
+    runs of 8 codes, else the layout's group), in plain tensor ops that
     ``torch.compile`` fuses into its consumer: each group's bytes form one int32 word, and code ``s`` of the group
-    is ``word >> (s * bits) & mask``.  Compiled consumers should keep the ``(groups, group)`` shape: flattening it
-    first made inductor's CPU loops several times slower here."""
+    is ``word >> (s * bits) & mask``, one broadcast shift (a ``torch.stack`` of the ``group`` codes was
+    materialized as separate buffers by inductor, 6x slower here).  Compiled consumers should keep the
+    ``(groups, group)`` shape: flattening it first made inductor's CPU loops several times slower here."""
     group, nbytes = _layout(bits)
+    if bits < 8 and packed.shape[-1] % bits == 0:
+        group, nbytes = 8, bits  # whole runs of 8 codes: 8 codes per word fill inductor's 8-wide vectors
     groups = packed.unflatten(-1, (-1, nbytes)).to(torch.int32)
     word = groups[..., 0]
     for i in range(1, nbytes):
         word = word | groups[..., i] << 8 * i
-    mask = (1 << bits) - 1
-    return torch.stack([word >> s * bits & mask for s in range(group)], dim=-1)
+    return word[..., None] >> _shifts(bits, group, word.device) & (1 << bits) - 1
+
+
+def _shifts(step: int, count: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[0, step, ..., (count - 1) * step]``: the bit offsets of the fields of one word."""
+    return torch.arange(0, count * step, step, dtype=torch.int32, device=device)

@@ -293,10 +293,8 @@ class TurboQuantMSE(_Turbo):
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        b, h, t, d = p.shape
-        codes = p.tensors["codes"]
-        y = _codebook(d, self.bits, codes.device).decode_packed(codes, d)
-        return _unrotate_scaled(y, self._matrices("rot", d, h, codes.device), p.tensors["norm"]).to(p.dtype)
+        rot = self._matrices("rot", p.shape[-1], p.shape[1], p.tensors["codes"].device)
+        return torch.matmul(self._rotated(p), rot).to(p.dtype)  # norm * Pi^T c(codes), row vectors
 
     def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
         q_rot = q @ self._matrices("rot", p.shape[-1], p.shape[1], q.device).transpose(-1, -2)  # Pi q, once per step
