@@ -15,28 +15,26 @@ Its bytes are those of these tensors, so the weight storage of a scheme is measu
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..kv import packing as kv_packing
 from .quant import QWeight
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes (any shape, values < 2**bits) -> uint8 bytes ``(ceil(n * bits / 8),)``."""
-    c = codes.reshape(-1).to(torch.int32)
-    planes = ((c[:, None] >> torch.arange(bits)) & 1).to(torch.uint8).numpy()
-    return torch.from_numpy(np.packbits(planes.reshape(-1), bitorder="little"))
+    """uint8 codes (any shape, values < 2**bits) -> uint8 bytes: the flattened codes as one little-endian bit
+    stream, the layout of :func:`niah.kv.packing.pack_bits` (``n * bits / 8`` bytes when ``n`` is a multiple of 8)."""
+    return kv_packing.pack_bits(codes.reshape(-1), bits)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 codes of ``shape``."""
-    n = int(np.prod(shape))
-    planes = np.unpackbits(packed.numpy(), bitorder="little")[: n * bits].reshape(n, bits)
-    return torch.from_numpy((planes.astype(np.int32) << np.arange(bits)).sum(1).astype(np.uint8)).reshape(shape)
+    return kv_packing.unpack_bits(packed, bits, math.prod(shape)).reshape(shape)
 
 
 @dataclass
