@@ -4,7 +4,8 @@
   copy of the same fp32 tensor into a preallocated buffer, measured in the same run (``clone()`` is not used as
   the reference: its fresh allocation's page faults made it vary 10x between runs here).
 * :func:`decode_attention`: one decode step's attention over a long packed cache, as a ratio to the same step
-  over the fp32 cache: dequantize what the cache stores then SDPA, and the fused read of the codes.
+  over the fp32 cache: dequantize what the cache stores then SDPA, and the chunk-by-chunk read of
+  :mod:`niah.kv.attend`.
 * :func:`hf_quantized_cache`: transformers' own ``QuantizedCache`` (quanto backend) against its
   ``DynamicCache`` on a real model and context: what a user would otherwise pick.
 """
@@ -77,7 +78,8 @@ def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
     allocations made it vary 3x between runs here, so it is not the reference).
     Each step appends one token to a :class:`PackedLayer` that keeps nothing dequantized (the real decode path:
     the stored cache is read at every step), then attends, two ways: ``dequantize``: dequantize the whole
-    stored cache, then SDPA with ``enable_gqa``; ``fused``: read the codes directly (:mod:`niah.kv.attend`).
+    stored cache, then SDPA with ``enable_gqa``; ``per chunk``: the decode step of :mod:`niah.kv.attend`
+    (each stored chunk scored on its own; TurboQuant-MSE from its codes).
     """
     k, v = _kv(tokens, kv_heads, head_dim, 1), _kv(tokens, kv_heads, head_dim, 2)
     q = torch.randn(1, q_heads, 1, head_dim)
@@ -98,13 +100,13 @@ def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
     rows = [{"method": "fp32 (no cache method)", "path": "sdpa", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0},
             {"method": "fp32 (no cache method)", "path": "torch.cat + sdpa", "step_ms": 1e3 * cat, "ratio_to_fp32": cat / base}]
     for name in methods:
-        for path in ("dequantize", "fused"):
-            layer = PackedLayer(get_method(name), 0, keep_dequantized=False, fused_decode=path == "fused")
+        for path in ("dequantize", "per chunk"):
+            layer = PackedLayer(get_method(name), 0, keep_dequantized=False, fused_decode=path == "per chunk")
             layer.update(k, v)
 
             def step():
                 keys, values = layer.update(k1, v1)
-                if path == "fused":
+                if path == "per chunk":
                     decode_attention_step(q, layer, scaling)
                 else:
                     F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)

@@ -10,8 +10,8 @@ method the sweep records:
 * peak memory (process RSS on the CPU; ``torch.cuda.max_memory_allocated`` and pynvml on CUDA) and a
   memory trace sampled at ``sweep.hz`` during quantization and decode, kept in the row;
 * TPOT: median and p90 over ``sweep.decode_steps`` greedy decode steps on the real decode path
-  (``keep_dequantized=False``: every step reads the whole stored cache; attention reads the codes directly
-  where the method has fused kernels, :mod:`niah.kv.attend`, and dequantizes otherwise);
+  (``keep_dequantized=False``: every step reads the whole stored cache, chunk by chunk, through
+  :mod:`niah.kv.attend`);
 * retrieval of the needle (once the step is long enough to hold it) and KL against the reference method.
 
 Rows are keyed by (config, model, method, length); a killed sweep resumes where it stopped.  A step

@@ -83,7 +83,7 @@ class KVQuantizer(ABC):
 
     def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
         """``q . k`` for every stored key: ``q: (B, H, G, D)`` float32 (``G`` query heads per KV head) ->
-        ``(B, H, G, T)`` float32.  Read straight from the codes where the format allows (:meth:`fused_scores`)."""
+        ``(B, H, G, T)`` float32.  A format with a faster way than dequantizing overrides :meth:`fused_scores`."""
         out = self.fused_scores(p, q) if p.shape[-2] >= FUSE_MIN_TOKENS else None
         return out if out is not None else q @ self.dequantize(p).float().transpose(-1, -2)
 

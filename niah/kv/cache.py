@@ -7,7 +7,7 @@ With ``residual = 0`` and ``token_group = 1`` (q8_0, q4_0, fp8...) every token i
 stored, as llama.cpp does, so even the question's own tokens are read back quantized.  For ``tokenwise``
 formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter),
 so ``n`` decode steps leave ``O(log n)`` chunks, each token is copied ``O(log n)`` times, and a long decode
-reads a few large chunks through the fused kernels rather than many one-token ones.
+reads a few large chunks (:mod:`niah.kv.attend`) rather than many one-token ones.
 
 Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
 ``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the codes directly

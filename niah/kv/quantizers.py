@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from .attend import fused, fused_or_eager
+from .attend import fused_or_eager
 from .base import KVQuantizer, Packed, check_kv_shape
 from .packing import pack_bits, unpack_bits
 from .registry import register
@@ -60,19 +60,6 @@ def _check_blocks(name: str, head_dim: int, block: int) -> None:
         )
 
 
-def _block_scores(values: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``values: (B, H, T, D/32, 32)`` block codes as floats, ``scales: (B, H, T, D/32)``, ``q: (B, H, G, D)``
-    -> ``(B, H, G, T)``: per block, the scale times the query's dot product with the codes."""
-    dots = (values.unsqueeze(2) * q.unflatten(-1, (-1, BLOCK)).unsqueeze(3)).sum(-1)  # (B, H, G, T, D/32)
-    return (dots * scales.unsqueeze(2).float()).sum(-1)
-
-
-def _block_weighted_sum(values: torch.Tensor, scales: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``sum_t w_t scale_t codes_t``: ``w: (B, H, G, T)`` -> ``(B, H, G, D)``; shapes as in :func:`_block_scores`."""
-    ws = w.unsqueeze(-1) * scales.unsqueeze(2).float()  # (B, H, G, T, D/32)
-    return (ws.unsqueeze(-1) * values.unsqueeze(2)).sum(3).flatten(-2)
-
-
 def _q8_values(codes: torch.Tensor) -> torch.Tensor:
     """q8_0 ``codes: int8 (B, H, T, D)`` -> float32 ``(B, H, T, D/32, 32)``."""
     return codes.unflatten(-1, (-1, BLOCK)).float()
@@ -87,31 +74,6 @@ def _q4_values(codes: torch.Tensor) -> torch.Tensor:
     values[..., 0, :] = packed & 15
     values[..., 1, :] = packed >> 4
     return values.sub_(8).flatten(-2)
-
-
-def _q4_scores(codes, scales, q):
-    """:func:`_block_scores` for q4_0 without joining the nibbles (faster compiled): each half-block's nibbles
-    against its half of the query."""
-    c = codes.unflatten(-1, (-1, BLOCK // 2)).unsqueeze(2)  # (B, H, 1, T, D/32, 16)
-    qb = q.unflatten(-1, (-1, 2, BLOCK // 2)).unsqueeze(3)  # (B, H, G, 1, D/32, 2, 16)
-    dots = (((c & 15).float() - 8) * qb[..., 0, :] + ((c >> 4).float() - 8) * qb[..., 1, :]).sum(-1)
-    return (dots * scales.unsqueeze(2).float()).sum(-1)
-
-
-def _q8_scores(codes, scales, q):
-    return _block_scores(_q8_values(codes), scales, q)
-
-
-def _q8_weighted_sum(codes, scales, w):
-    return _block_weighted_sum(_q8_values(codes), scales, w)
-
-
-def _q4_weighted_sum(codes, scales, w):
-    """:func:`_block_weighted_sum` for q4_0, low and high nibbles summed apart (as in :func:`_q4_scores`)."""
-    c = codes.unflatten(-1, (-1, BLOCK // 2)).unsqueeze(2)  # (B, H, 1, T, D/32, 16)
-    ws = (w.unsqueeze(-1) * scales.unsqueeze(2).float()).unsqueeze(-1)  # (B, H, G, T, D/32, 1)
-    low, high = (ws * ((c & 15).float() - 8)).sum(3), (ws * ((c >> 4).float() - 8)).sum(3)  # (B, H, G, D/32, 16)
-    return torch.cat([low, high], dim=-1).flatten(-2)
 
 
 def _q8_0_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,12 +130,6 @@ class Q8_0(_HeadBlocks):
     def dequantize(self, p: Packed) -> torch.Tensor:
         return self._scaled(_q8_values(p.tensors["codes"]), p)
 
-    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
-        return fused(_q8_scores, p.tensors["codes"], p.tensors["scales"], q)
-
-    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
-        return fused(_q8_weighted_sum, p.tensors["codes"], p.tensors["scales"], w)
-
 
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
     """``(..., 1)``: the first value of largest magnitude along the last dim, sign kept (numpy's argmax rule).
@@ -215,12 +171,6 @@ class Q4_0(_HeadBlocks):
 
     def dequantize(self, p: Packed) -> torch.Tensor:
         return self._scaled(_q4_values(p.tensors["codes"]), p)
-
-    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
-        return fused(_q4_scores, p.tensors["codes"], p.tensors["scales"], q)
-
-    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
-        return fused(_q4_weighted_sum, p.tensors["codes"], p.tensors["scales"], w)
 
 
 def _e2m1_code_table() -> torch.Tensor:
@@ -296,12 +246,6 @@ class FP8(KVQuantizer):
     def analytical_bits(self, head_dim: int) -> float:
         return 8.0
 
-    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
-        return fused(_fp8_scores, p.tensors["codes"], p.tensors["scales"], q)
-
-    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
-        return fused(_fp8_weighted_sum, p.tensors["codes"], p.tensors["scales"], w)
-
 
 def _fp8_encode(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x: (B, H, T, D)`` -> ``codes: fp8 (B, H, T, D)`` and ``scales: fp32 (B, H)``."""
@@ -328,16 +272,6 @@ def _fp8_float(codes: torch.Tensor) -> torch.Tensor:
 def _fp8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``codes: fp8 (B, H, T, D)``, ``scales: (B, H)`` -> float32 values."""
     return _fp8_float(codes) * scales[..., None, None]
-
-
-def _fp8_scores(codes, scales, q):
-    """fp8 ``codes: (B, H, T, D)``, ``scales: (B, H)``, ``q: (B, H, G, D)`` -> ``(B, H, G, T)``."""
-    return (_fp8_float(codes).unsqueeze(2) * q.unsqueeze(3)).sum(-1) * scales[..., None, None]
-
-
-def _fp8_weighted_sum(codes, scales, w):
-    """``w: (B, H, G, T)`` -> ``(B, H, G, D)``."""
-    return (w.unsqueeze(-1) * _fp8_float(codes).unsqueeze(2)).sum(3) * scales[..., None, None]
 
 
 def _minmax_quantize(x: torch.Tensor, bits: int, size: int, dim: int) -> dict[str, torch.Tensor]:
