@@ -35,6 +35,22 @@ def median_time(fn, repeat: int = 5) -> float:
     return statistics.median(times)
 
 
+def paired_ratio(fn, ref, repeat: int = 9) -> tuple[float, float]:
+    """``(median seconds of fn, median of fn / ref)``, the two timed alternately after one warm-up each: each
+    ratio compares neighbouring runs, so a machine that slows down for a while moves both of them."""
+    fn(), ref()
+    times, ratios = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        ref()
+        t1 = time.perf_counter()
+        fn()
+        t2 = time.perf_counter()
+        times.append(t2 - t1)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(times), statistics.median(ratios)
+
+
 def _kv(tokens: int, kv_heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
     """A K-like tensor ``(1, kv_heads, tokens, head_dim)``: gaussian with a few large channels, as real keys have."""
     g = torch.Generator().manual_seed(seed)
@@ -70,8 +86,9 @@ def codec_throughput(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
     return pd.DataFrame(rows)
 
 
-def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3, q_heads: int = 9, head_dim: int = 64, repeat: int = 5) -> pd.DataFrame:
-    """One decode step of one layer over ``tokens`` cached tokens: ms per method and ratio to the fp32 cache.
+def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3, q_heads: int = 9, head_dim: int = 64, repeat: int = 9) -> pd.DataFrame:
+    """One decode step of one layer over ``tokens`` cached tokens: ms per method and ratio to the fp32 cache
+    (the median of ratios to reference steps timed alternately with it, :func:`paired_ratio`).
 
     The reference writes the new token into a preallocated fp32 cache and runs SDPA with ``enable_gqa``; a
     second row shows the ``torch.cat`` per step of transformers' ``DynamicCache`` (its fresh 2 x 12 MB
@@ -96,9 +113,9 @@ def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
         F.scaled_dot_product_attention(q, torch.cat([k, k1], 2), torch.cat([v, v1], 2), enable_gqa=True)
 
     base = median_time(fp32_step, repeat)
-    cat = median_time(fp32_cat_step, repeat)
+    cat, cat_ratio = paired_ratio(fp32_cat_step, fp32_step, repeat)
     rows = [{"method": "fp32 (no cache method)", "path": "sdpa", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0},
-            {"method": "fp32 (no cache method)", "path": "torch.cat + sdpa", "step_ms": 1e3 * cat, "ratio_to_fp32": cat / base}]
+            {"method": "fp32 (no cache method)", "path": "torch.cat + sdpa", "step_ms": 1e3 * cat, "ratio_to_fp32": cat_ratio}]
     for name in methods:
         for path in ("dequantize", "per chunk"):
             layer = PackedLayer(get_method(name), 0, keep_dequantized=False, fused_decode=path == "per chunk")
@@ -111,8 +128,8 @@ def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
                 else:
                     F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
 
-            s = median_time(step, repeat)
-            rows.append({"method": name, "path": path, "step_ms": 1e3 * s, "ratio_to_fp32": s / base})
+            s, ratio = paired_ratio(step, fp32_step, repeat)
+            rows.append({"method": name, "path": path, "step_ms": 1e3 * s, "ratio_to_fp32": ratio})
     return pd.DataFrame(rows)
 
 
