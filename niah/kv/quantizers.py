@@ -65,15 +65,12 @@ def _q8_values(codes: torch.Tensor) -> torch.Tensor:
     return codes.unflatten(-1, (-1, BLOCK)).float()
 
 
-def _q4_values(codes: torch.Tensor) -> torch.Tensor:
-    """q4_0 ``codes: uint8 (B, H, T, D/2)`` (ggml nibble order) -> float32 ``(B, H, T, D/32, 32)``, offset removed.
-
-    Written into one float32 tensor (low nibbles are values 0-15 of a block, high nibbles 16-31)."""
-    packed = codes.unflatten(-1, (-1, BLOCK // 2))
-    values = torch.empty(*packed.shape[:-1], 2, BLOCK // 2, device=packed.device)
-    values[..., 0, :] = packed & 15
-    values[..., 1, :] = packed >> 4
-    return values.sub_(8).flatten(-2)
+def _q4_0_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q4_0 ``codes: uint8 (B, H, T, D/2)`` (ggml nibble order), ``scales: fp16 (B, H, T, D/32)`` -> float32
+    ``(B, H, T, D/32, 2, 16)``: per block, values 0-15 from the low nibbles and 16-31 from the high ones."""
+    shifts = torch.tensor([[0], [4]], dtype=torch.int32, device=codes.device)
+    nibbles = codes.unflatten(-1, (-1, 1, BLOCK // 2)).to(torch.int32) >> shifts & 15
+    return (nibbles - 8).float() * scales.float()[..., None, None]
 
 
 def _q8_0_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +167,8 @@ class Q4_0(_HeadBlocks):
         return Packed({"codes": packed.flatten(-2), "scales": d.squeeze(-1).half()}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        return self._scaled(_q4_values(p.tensors["codes"]), p)
+        values = fused_or_eager(_q4_0_decode, p.tensors["codes"], p.tensors["scales"], tokens=p.shape[-2])
+        return values.flatten(-3).to(p.dtype)
 
 
 def _e2m1_code_table() -> torch.Tensor:
@@ -258,15 +256,13 @@ def _fp8_encode(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.
 
 def _fp8_float(codes: torch.Tensor) -> torch.Tensor:
     """fp8 codes -> float32, exactly.  e5m2 is the top byte of an fp16, so its cast is cheap; e4m3fn's cast is
-    slow on the CPU, so its bits are moved into float32 position instead (sign, exponent rebiased from 7 to 127,
-    mantissa), with subnormals (exponent 0: ``mantissa * 2**-9``) handled apart.  The stored codes are never NaN."""
+    slow on the CPU, so its bits go into an fp16 instead: sign to bit 15, the 7 exponent and mantissa bits to bits
+    7-13.  That fp16 is the e4m3 value times ``2**-8`` (the exponent bias goes from 7 to 15), subnormals included
+    (``m * 2**-9`` lands on the fp16 subnormal ``m * 2**-17``).  The stored codes are never NaN."""
     if codes.dtype != torch.float8_e4m3fn:
         return codes.float()
-    b = codes.view(torch.uint8).to(torch.int32)
-    exponent, mantissa = (b >> 3) & 15, b & 7
-    normal = (((b & 128) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).view(torch.float32)
-    subnormal = (mantissa * (1 - (b >> 6 & 2))).float() * 2.0**-9
-    return torch.where(exponent == 0, subnormal, normal)
+    b = codes.view(torch.uint8).to(torch.int16)
+    return ((b & 128) << 8 | (b & 127) << 7).view(torch.float16).float() * 256.0
 
 
 def _fp8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
