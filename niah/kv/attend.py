@@ -7,16 +7,17 @@ scores:
 
 * by default a chunk is dequantized into a temporary and multiplied with the query or the weights.  For q8_0,
   q4_0 and fp8 this measured faster than one-pass kernels that computed the dot products on the codes
-  (``scale * (q . codes)``; see ``git log -S _q8_scores``): on a 2-core AVX2 machine, one
-  16K-token step took 30 ms with the q8_0 kernel against 14-18 ms dequantizing per chunk (fp32 SDPA: 12-15 ms).
+  (``scale * (q . codes)``; see ``git log -S _q8_scores``): on a 2-core AVX2 machine, ``niah bench kv`` timed
+  one 16K-token q8_0 step at 27.6-30.3 ms with that kernel (fc5c2dd) and 14.0-18.4 ms chunk by chunk (377cfec).
 * TurboQuant-MSE overrides them, because it saves work rather than memory traffic: ``k = ||k|| Pi^T c`` with
   ``c`` the centroids of the codes, so ``q . k = (Pi q) . (||k|| c)``.  One compiled loop turns the codes into
   ``||k|| c`` (the vectors in the rotated basis), the query is rotated once per step, scores and the weighted
   sum of values are matmuls against ``||k|| c``, and the sum is rotated back once: one ``d x d`` matmul per
-  step instead of one per token.  Fusing the lookups into the dot products measured slower (14 ms against 8).
+  step instead of one per token.  Fusing the lookups into the dot products was slower in a one-off timing
+  (14 ms against 8).
 
-Compiled loops (:func:`fused`, :func:`fused_or_eager`) also run the encoders of q8_0 and fp8 and fp8's
-decoder: one pass instead of several over fresh full-size tensors.  The numbers are the same as attending over
+Compiled loops (:func:`fused`, :func:`fused_or_eager`) also run the encoders of q8_0 and fp8 and the decoders
+of q4_0, fp8 and TurboQuant (MSE and split): one pass instead of several over fresh full-size tensors.  The numbers are the same as attending over
 the dequantized cache up to float32 summation order (the tests check it).  Where ``torch.compile`` cannot run
 (no C++ compiler), the same functions run eagerly, with one warning; an error that the eager run raises too (a
 real bug, such as a shape mismatch) is raised.

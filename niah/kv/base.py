@@ -93,7 +93,8 @@ class KVQuantizer(ABC):
         return out if out is not None else w @ self.dequantize(p).float()
 
     def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
-        """Override with a one-pass computation on the codes (see :mod:`niah.kv.attend`); ``None``: dequantize."""
+        """Override with a computation on the codes that beats dequantizing (see :mod:`niah.kv.attend`);
+        ``None``: dequantize."""
         return None
 
     def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:

@@ -10,8 +10,8 @@ so ``n`` decode steps leave ``O(log n)`` chunks, each token is copied ``O(log n)
 reads a few large chunks (:mod:`niah.kv.attend`) rather than many one-token ones.
 
 Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
-``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the codes directly
-(:mod:`niah.kv.attend`) and nothing is dequantized.  ``keep_dequantized=True`` memoizes the dequantized chunks
+``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the stored chunks one by one
+(:mod:`niah.kv.attend`) and no dequantized copy of the whole cache is built.  ``keep_dequantized=True`` memoizes the dequantized chunks
 (the numbers are identical; quality runs use it for speed); it is *not* storage, and :meth:`nbytes`
 never counts it.  The decode-speed benchmark runs with ``keep_dequantized=False``: every step
 dequantizes the whole stored cache, the real decode path.

@@ -294,7 +294,7 @@ class TurboQuantMSE(_Turbo):
 
     def dequantize(self, p: Packed) -> torch.Tensor:
         rot = self._matrices("rot", p.shape[-1], p.shape[1], p.tensors["codes"].device)
-        return torch.matmul(self._rotated(p), rot).to(p.dtype)  # norm * Pi^T c(codes), row vectors
+        return torch.matmul(self._rotated(p), rot).to(p.dtype)
 
     def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
         q_rot = q @ self._matrices("rot", p.shape[-1], p.shape[1], q.device).transpose(-1, -2)  # Pi q, once per step
@@ -304,10 +304,14 @@ class TurboQuantMSE(_Turbo):
         return (w @ self._rotated(p)) @ self._matrices("rot", p.shape[-1], p.shape[1], w.device)  # Pi^T, once per step
 
     def _rotated(self, p: Packed) -> torch.Tensor:
-        """``||x|| c(codes)``: the stored vectors in the rotated basis, ``(B, H, T, D)`` float32 (no rotation)."""
-        codes = p.tensors["codes"]
-        book = _codebook(p.shape[-1], self.bits, codes.device)
-        return fused(_scaled_centroids, codes, p.tensors["norm"], book.centroids, self.bits).flatten(-2)
+        return _scaled_centroids_of(p.tensors["codes"], p.tensors["norm"], p.shape[-1], self.bits)
+
+
+def _scaled_centroids_of(codes: torch.Tensor, norm: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """``||x|| c(codes)``: the stored MSE vectors in the rotated basis, ``(B, H, T, dim)`` float32 (no rotation);
+    ``norm * Pi^T`` of it (one matmul with the rotation) is the dequantized vector."""
+    book = _codebook(dim, bits, codes.device)
+    return fused(_scaled_centroids, codes, norm, book.centroids, bits).flatten(-2)
 
 
 def _scaled_centroids(codes, norm, centroids, bits: int):
@@ -405,8 +409,8 @@ class TurboQuantSplit(_Turbo):
         dev = p.tensors["outlier_mask"].device
         parts = []
         for part, bits in (("hi", self.bits_hi), ("lo", self.bits_lo)):
-            y = _codebook(k, bits, dev).decode_packed(p.tensors[f"codes_{part}"], k)
-            parts.append(_unrotate_scaled(y, self._matrices(f"rot_{part}", k, h, dev), p.tensors[f"norm_{part}"]))
+            y = _scaled_centroids_of(p.tensors[f"codes_{part}"], p.tensors[f"norm_{part}"], k, bits)
+            parts.append(torch.matmul(y, self._matrices(f"rot_{part}", k, h, dev)))
         xp = torch.cat(parts, dim=-1)
         perm = self._perm(unpack_bits(p.tensors["outlier_mask"], 1, d)).unsqueeze(-2).expand(b, h, t, d)
         return torch.empty_like(xp).scatter_(-1, perm, xp).to(p.dtype)
