@@ -5,22 +5,21 @@ allocations of the whole cache at every step) and then attends.  Here each store
 its own (:meth:`KVQuantizer.scores`, :meth:`KVQuantizer.weighted_sum`), and the softmax runs over the joined
 scores:
 
-* by default a chunk is dequantized into a temporary and multiplied with the query or the weights.  For q8_0,
-  q4_0 and fp8 this measured faster than one-pass kernels that computed the dot products on the codes
-  (``scale * (q . codes)``; see ``git log -S _q8_scores``): on a 2-core AVX2 machine, ``niah bench kv`` timed
-  one 16K-token q8_0 step at 27.6-30.3 ms with that kernel (fc5c2dd) and 14.0-18.4 ms chunk by chunk (377cfec).
-* TurboQuant-MSE overrides them, because it saves work rather than memory traffic: ``k = ||k|| Pi^T c`` with
-  ``c`` the centroids of the codes, so ``q . k = (Pi q) . (||k|| c)``.  One compiled loop turns the codes into
-  ``||k|| c`` (the vectors in the rotated basis), the query is rotated once per step, scores and the weighted
-  sum of values are matmuls against ``||k|| c``, and the sum is rotated back once: one ``d x d`` matmul per
-  step instead of one per token.  Fusing the lookups into the dot products was slower in a one-off timing
-  (14 ms against 8).
+* on the CPU, formats with a row decoder (q8_0, q4_0, fp8, fp4_e2m1, TurboQuant-MSE) run the numba loops of
+  :mod:`niah.kv.rowkernels`: each stored vector is decoded into a buffer that stays in L1 and used at once, so a
+  step reads the codes, not a full-precision copy.  TurboQuant-MSE works in its rotated basis:
+  ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so ``q . k = (Pi q) . (||k|| c)``; the query is
+  rotated once per step and the weighted sum of values rotated back once.
+* elsewhere (other formats, other devices) a chunk is dequantized into a temporary and multiplied with the query
+  or the weights.
 
-Compiled loops (:func:`fused`, :func:`fused_or_eager`) also run the encoders of q8_0 and fp8 and the decoders
-of q4_0, fp8 and TurboQuant (MSE and split): one pass instead of several over fresh full-size tensors.  The numbers are the same as attending over
-the dequantized cache up to float32 summation order (the tests check it).  Where ``torch.compile`` cannot run
-(no C++ compiler), the same functions run eagerly, with one warning; an error that the eager run raises too (a
-real bug, such as a shape mismatch) is raised.
+The numbers are the same as attending over the dequantized cache up to float32 summation order (the tests check
+it).  Measured on one thread of a 2-core Xeon (AVX-512), ``niah bench kv``: see README, "Speed".
+
+Compiled loops (:func:`fused`, :func:`fused_or_eager`) run the encoders of q8_0 and fp8: one pass instead of
+several over fresh full-size tensors.  Where ``torch.compile`` cannot run (no C++ compiler), the same functions
+run eagerly, with one warning; an error that the eager run raises too (a real bug, such as a shape mismatch) is
+raised.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attend import FUSE_MIN_TOKENS
+from . import rowkernels
 
 
 @dataclass
@@ -81,25 +81,41 @@ class KVQuantizer(ABC):
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ``ValueError`` naming the problem if this method cannot take ``head_dim``."""
 
+    # A numba row decoder (see :mod:`niah.kv.rowkernels`) for reading this format on the CPU without a
+    # dequantized copy; ``row_args`` gives the arrays it reads.  None: every read dequantizes with torch.
+    decode_row = None
+
+    def row_args(self, p: Packed) -> tuple:
+        """The arrays (and constants) that :attr:`decode_row` reads, rows first."""
+        raise NotImplementedError(f"{self.name} has no row decoder")
+
+    def reads_rows(self, p: Packed) -> bool:
+        """Whether reads of ``p`` go through the row kernels: the format has a decoder, ``p`` is on the CPU, and
+        :data:`rowkernels.ENABLED` (tests switch it off to compare with the torch path)."""
+        device = next(iter(p.tensors.values())).device
+        return self.decode_row is not None and rowkernels.ENABLED and device.type == "cpu"
+
+    def stored_rows(self, p: Packed) -> torch.Tensor:
+        """The float32 vectors that :meth:`scores` and :meth:`weighted_sum` read, ``(B, H, T, D)``: the
+        dequantized values, unless a format stores them in another basis (TurboQuant: rotated)."""
+        return self.dequantize(p).float()
+
     def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
         """``q . k`` for every stored key: ``q: (B, H, G, D)`` float32 (``G`` query heads per KV head) ->
-        ``(B, H, G, T)`` float32.  A format with a faster way than dequantizing overrides :meth:`fused_scores`."""
-        out = self.fused_scores(p, q) if p.shape[-2] >= FUSE_MIN_TOKENS else None
-        return out if out is not None else q @ self.dequantize(p).float().transpose(-1, -2)
+        ``(B, H, G, T)`` float32, read row by row from the codes where :meth:`reads_rows`."""
+        if self.reads_rows(p):
+            return rowkernels.scores(self.decode_row, self.row_args(p), q, p.shape[-2])
+        return q @ self.stored_rows(p).transpose(-1, -2)
 
     def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
         """``sum_t w_t v_t`` over the stored values: ``w: (B, H, G, T)`` float32 -> ``(B, H, G, D)`` float32."""
-        out = self.fused_weighted_sum(p, w) if p.shape[-2] >= FUSE_MIN_TOKENS else None
-        return out if out is not None else w @ self.dequantize(p).float()
+        if self.reads_rows(p):
+            return rowkernels.weighted_sum(self.decode_row, self.row_args(p), w, p.shape[-1])
+        return w @ self.stored_rows(p)
 
-    def fused_scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor | None:
-        """Override with a computation on the codes that beats dequantizing (see :mod:`niah.kv.attend`);
-        ``None``: dequantize."""
-        return None
-
-    def fused_weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor | None:
-        """Override like :meth:`fused_scores`; ``None``: dequantize."""
-        return None
+    def decoded_rows(self, p: Packed) -> torch.Tensor | None:
+        """Every row from the row kernels, float32 ``(B, H, T, D)``, or None where :meth:`reads_rows` is false."""
+        return rowkernels.dequantize(self.decode_row, self.row_args(p), p.shape) if self.reads_rows(p) else None
 
     @staticmethod
     def bits_per_value(p: Packed) -> float:

@@ -180,7 +180,8 @@ def fused_decoding(model):
 
 
 def warm_up(method: KVMethod, kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
-    """Compile ``method``'s fused kernels now (store, prefill-style read, decode step), so timings exclude it."""
+    """Compile ``method``'s kernels now (numba row kernels, compiled encoders: store, prefill-style read, decode
+    step), so timings exclude it."""
     x = torch.randn(1, kv_heads, 2 * FUSE_MIN_TOKENS + 1, head_dim, device=device)
     layer = PackedLayer(method, 0, keep_dequantized=False, fused_decode=True)
     layer.update(x[..., :-1, :], x[..., :-1, :])

@@ -28,8 +28,11 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
+from numba import njit
 
+from . import rowkernels
 from .attend import fused_or_eager
 from .base import KVQuantizer, Packed, check_kv_shape
 from .packing import pack_bits, unpack_bits
@@ -125,7 +128,20 @@ class Q8_0(_HeadBlocks):
         return Packed({"codes": codes, "scales": scales}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        return self._scaled(_q8_values(p.tensors["codes"]), p)
+        rows = self.decoded_rows(p)
+        return rows.to(p.dtype) if rows is not None else self._scaled(_q8_values(p.tensors["codes"]), p)
+
+    def row_args(self, p: Packed) -> tuple:
+        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(p.tensors["scales"])
+
+    @staticmethod
+    @njit(**rowkernels.DECODER)
+    def decode_row(stored, r, out):
+        codes, scales = stored
+        for blk in range(scales.shape[1]):
+            d = scales[r, blk]  # loaded once per block: ``out`` might alias ``scales`` for all numba knows
+            for i in range(blk * 32, blk * 32 + 32):
+                out[i] = codes[r, i] * d
 
 
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
@@ -167,8 +183,24 @@ class Q4_0(_HeadBlocks):
         return Packed({"codes": packed.flatten(-2), "scales": d.squeeze(-1).half()}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        values = fused_or_eager(_q4_0_decode, p.tensors["codes"], p.tensors["scales"], tokens=p.shape[-2])
-        return values.flatten(-3).to(p.dtype)
+        rows = self.decoded_rows(p)
+        if rows is None:
+            rows = _q4_0_decode(p.tensors["codes"], p.tensors["scales"]).flatten(-3)
+        return rows.to(p.dtype)
+
+    def row_args(self, p: Packed) -> tuple:
+        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(p.tensors["scales"])
+
+    @staticmethod
+    @njit(**rowkernels.DECODER)
+    def decode_row(stored, r, out):
+        codes, scales = stored
+        for blk in range(scales.shape[1]):
+            d = scales[r, blk]
+            for i in range(16):
+                byte = np.int32(codes[r, blk * 16 + i])
+                out[blk * 32 + i] = ((byte & 15) - 8) * d
+                out[blk * 32 + 16 + i] = ((byte >> 4) - 8) * d
 
 
 def _e2m1_code_table() -> torch.Tensor:
@@ -214,9 +246,25 @@ class FP4E2M1(_HeadBlocks):
         return Packed({"codes": pack_bits(codes, 4), "scales": scale.squeeze(-1)}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
+        rows = self.decoded_rows(p)
+        if rows is not None:
+            return rows.to(p.dtype)
         packed = p.tensors["codes"]
         values = _E2M1_PAIRS.to(packed.device).index_select(0, packed.flatten().to(torch.int32))
         return self._scaled(values.view(*p.shape[:-1], -1, BLOCK), p)
+
+    def row_args(self, p: Packed) -> tuple:
+        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(p.tensors["scales"]), _E2M1_PAIRS.numpy()
+
+    @staticmethod
+    @njit(**rowkernels.DECODER)
+    def decode_row(stored, r, out):
+        codes, scales, pairs = stored
+        for blk in range(scales.shape[1]):
+            d = scales[r, blk]
+            for i in range(blk * 16, blk * 16 + 16):
+                out[2 * i] = pairs[codes[r, i], 0] * d
+                out[2 * i + 1] = pairs[codes[r, i], 1] * d
 
 
 @dataclass
@@ -239,7 +287,20 @@ class FP8(KVQuantizer):
         return Packed({"codes": codes, "scales": scale}, tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        return fused_or_eager(_fp8_decode, p.tensors["codes"], p.tensors["scales"], tokens=p.shape[-2]).to(p.dtype)
+        rows = self.decoded_rows(p)
+        return (rows if rows is not None else _fp8_decode(p.tensors["codes"], p.tensors["scales"])).to(p.dtype)
+
+    def row_args(self, p: Packed) -> tuple:
+        scales = p.tensors["scales"][..., None].expand(p.shape[:3])  # one scale per row
+        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(scales), _fp8_table(self.fp8).numpy()
+
+    @staticmethod
+    @njit(**rowkernels.DECODER)
+    def decode_row(stored, r, out):
+        codes, scales, table = stored
+        d = scales[r]
+        for i in range(out.shape[0]):
+            out[i] = table[codes[r, i]] * d
 
     def analytical_bits(self, head_dim: int) -> float:
         return 8.0
@@ -263,6 +324,12 @@ def _fp8_float(codes: torch.Tensor) -> torch.Tensor:
         return codes.float()
     b = codes.view(torch.uint8).to(torch.int16)
     return ((b & 128) << 8 | (b & 127) << 7).view(torch.float16).float() * 256.0
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_table(fp8: torch.dtype) -> torch.Tensor:
+    """float32 ``(256,)``: the value of each fp8 bit pattern (torch's exact cast)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
 
 
 def _fp8_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""CPU kernels (numba) that read a packed KV chunk one stored vector at a time, never materializing it.
+
+A format supplies one ``@njit`` row decoder, ``decode_row(stored, r, out)``: it writes the ``D`` float32 values of
+stored row ``r`` (rows are ``(batch, kv_heads, tokens)`` flattened, token fastest) into ``out``, from ``stored``, a
+tuple of numpy arrays whose first dim indexes rows (codes, scales, norms) plus any tables and constants.
+:func:`kernels` turns it into three loops that decode each row into a small buffer that stays in L1 and use it
+at once:
+
+* ``scores(stored, q, out)``: ``q: (BH, G, D)`` -> ``out: (BH, G, T)``, the dot product of every query head with
+  every stored key;
+* ``weighted_sum(stored, w, out)``: ``w: (BH, G, T)`` -> ``out: (BH, G, D)``, ``sum_t w_t v_t``;
+* ``dequantize(stored, out)``: ``out: (R, D)``, every row.
+
+Why numba and not ``torch.compile``: inductor's CPU code for these small gathers and bit fields wrote at 1-2 GB/s
+here (bounds checks, int64 index vectors, masked tails of 16-wide vectors over 8-code groups), while these plain
+loops, which LLVM vectorizes, decode at several times that and let one decode step read the codes instead of a
+full-precision copy.  They compile in about a second per (decoder, kernel) pair, at first use in a process.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import njit
+
+_JIT = {"fastmath": True, "boundscheck": False, "nogil": True}
+DECODER = {**_JIT, "inline": "always"}  # the options of a row decoder
+
+ENABLED = True  # False: every format reads through its torch path (the tests compare the two)
+
+
+class RowKernels(NamedTuple):
+    scores: object
+    weighted_sum: object
+    dequantize: object
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(decode_row) -> RowKernels:
+    """The three loops of the module docstring for one row decoder (compiled lazily, at first call)."""
+
+    @njit(**_JIT)
+    def scores(stored, q, out):
+        heads, groups, dim = q.shape
+        tokens = out.shape[2]
+        row = np.empty(dim, np.float32)
+        for h in range(heads):
+            for t in range(tokens):
+                decode_row(stored, h * tokens + t, row)
+                for g in range(groups):
+                    acc = np.float32(0.0)
+                    for j in range(dim):
+                        acc += q[h, g, j] * row[j]
+                    out[h, g, t] = acc
+
+    @njit(**_JIT)
+    def weighted_sum(stored, w, out):
+        heads, groups, tokens = w.shape
+        dim = out.shape[2]
+        row = np.empty(dim, np.float32)
+        out[:] = 0.0
+        for h in range(heads):
+            for t in range(tokens):
+                decode_row(stored, h * tokens + t, row)
+                for g in range(groups):
+                    wt = w[h, g, t]
+                    for j in range(dim):
+                        out[h, g, j] += wt * row[j]
+
+    @njit(**_JIT)
+    def dequantize(stored, out):
+        for r in range(out.shape[0]):
+            decode_row(stored, r, out[r])
+
+    return RowKernels(scores, weighted_sum, dequantize)
+
+
+def rows(t: torch.Tensor) -> np.ndarray:
+    """A stored tensor ``(B, H, T, ...)`` as a numpy array ``(B*H*T, ...)`` (a view where it is contiguous; fp16
+    becomes float32, which numba computes with)."""
+    t = t.reshape(-1, *t.shape[3:])
+    if t.dtype == torch.float16:
+        t = t.float()
+    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = t.view(torch.uint8)
+    return _array(t)
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A contiguous numpy view of ``t`` (inference only: no gradient flows through the kernels)."""
+    return t.detach().contiguous().numpy()
+
+
+def scores(decode_row, stored: tuple, q: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``q: (B, H, G, D)`` float32 -> ``(B, H, G, tokens)``: the query against every stored row."""
+    b, h, g, d = q.shape
+    out = torch.empty(b, h, g, tokens)
+    kernels(decode_row).scores(stored, _array(q.reshape(b * h, g, d)), out.view(b * h, g, tokens).numpy())
+    return out
+
+
+def weighted_sum(decode_row, stored: tuple, w: torch.Tensor, dim: int) -> torch.Tensor:
+    """``w: (B, H, G, T)`` float32 -> ``(B, H, G, dim)``: the weighted sum of the stored rows."""
+    b, h, g, t = w.shape
+    out = torch.empty(b, h, g, dim)
+    kernels(decode_row).weighted_sum(stored, _array(w.reshape(b * h, g, t)), out.view(b * h, g, dim).numpy())
+    return out
+
+
+def dequantize(decode_row, stored: tuple, shape: tuple[int, ...]) -> torch.Tensor:
+    """Every stored row, float32 ``shape = (B, H, T, D)``."""
+    out = torch.empty(shape)
+    kernels(decode_row).dequantize(stored, out.view(-1, shape[-1]).numpy())
+    return out

@@ -1,0 +1,67 @@
+"""The numba row kernels (CPU) must give what each format's torch path gives."""
+
+import pytest
+import torch
+
+from niah.kv import rowkernels
+from niah.kv.registry import get_method
+
+ROWS = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "turbo2", "turbo3", "turbo4"]  # formats with a decoder
+TURBO_MSE = ["turbo2", "turbo3", "turbo4", "turbo2.5", "turbo3.5"]
+
+
+def _kv(tokens=37, seed=0):
+    """``(2, 3, tokens, 64)``: batch 2, 3 KV heads, a few large channels, one all-zero vector."""
+    x = torch.randn(2, 3, tokens, 64, generator=torch.Generator().manual_seed(seed))
+    x[..., :3] *= 8.0
+    x[1, 2, 4] = 0.0
+    return x
+
+
+def _torch_path(monkeypatch, fn):
+    monkeypatch.setattr(rowkernels, "ENABLED", False)
+    try:
+        return fn()
+    finally:
+        monkeypatch.setattr(rowkernels, "ENABLED", True)
+
+
+@pytest.mark.parametrize("method", ROWS)
+def test_row_kernels_read_what_the_torch_path_reads(method, monkeypatch):
+    q = get_method(method).key.for_layer(2)
+    p = q.quantize(_kv())
+    query = torch.randn(2, 3, 3, 64, generator=torch.Generator().manual_seed(1))
+    w = torch.rand(2, 3, 3, 37, generator=torch.Generator().manual_seed(2))
+    assert q.reads_rows(p)
+    got = q.dequantize(p), q.scores(p, query), q.weighted_sum(p, w)
+    want = _torch_path(monkeypatch, lambda: (q.dequantize(p), q.scores(p, query), q.weighted_sum(p, w)))
+    assert torch.equal(got[0], want[0]), "dequantize must be bit-exact: one multiply per value either way"
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # sums in another order
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ROWS)
+def test_row_kernel_reads_never_dequantize(method, monkeypatch):
+    q = get_method(method).key
+    p = q.quantize(_kv(tokens=5))
+    monkeypatch.setattr(type(q), "dequantize", lambda *a: pytest.fail("a row-kernel read dequantized"))
+    assert q.scores(p, torch.randn(2, 3, 2, 64)).shape == (2, 3, 2, 5)
+    assert q.weighted_sum(p, torch.rand(2, 3, 2, 5)).shape == (2, 3, 2, 64)
+
+
+@pytest.mark.parametrize("method", TURBO_MSE)
+def test_turbo_cpu_encoder_writes_the_torch_path_codes_bit_for_bit(method, monkeypatch):
+    q = get_method(method).key.for_layer(1)
+    x = _kv(tokens=300, seed=3)
+    got = q.quantize(x).tensors
+    want = _torch_path(monkeypatch, lambda: q.quantize(x).tensors)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_inputs_that_require_grad_are_read_without_error():
+    q = get_method("q4_0").key
+    p = q.quantize(_kv())
+    query = torch.randn(2, 3, 1, 64, requires_grad=True)
+    assert q.scores(p, query).shape == (2, 3, 1, 37)
