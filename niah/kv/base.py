@@ -90,28 +90,22 @@ class KVQuantizer(ABC):
         raise NotImplementedError(f"{self.name} has no row decoder")
 
     def reads_rows(self, p: Packed) -> bool:
-        """Whether reads of ``p`` go through the row kernels: the format has a decoder, ``p`` is on the CPU, and
-        :data:`rowkernels.ENABLED` (tests switch it off to compare with the torch path)."""
-        device = next(iter(p.tensors.values())).device
-        return self.decode_row is not None and rowkernels.ENABLED and device.type == "cpu"
-
-    def stored_rows(self, p: Packed) -> torch.Tensor:
-        """The float32 vectors that :meth:`scores` and :meth:`weighted_sum` read, ``(B, H, T, D)``: the
-        dequantized values, unless a format stores them in another basis (TurboQuant: rotated)."""
-        return self.dequantize(p).float()
+        """Whether reads of ``p`` go through the row kernels: the format has a decoder and ``p`` is on the CPU
+        (:func:`rowkernels.usable`)."""
+        return self.decode_row is not None and rowkernels.usable(next(iter(p.tensors.values())))
 
     def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
         """``q . k`` for every stored key: ``q: (B, H, G, D)`` float32 (``G`` query heads per KV head) ->
         ``(B, H, G, T)`` float32, read row by row from the codes where :meth:`reads_rows`."""
         if self.reads_rows(p):
             return rowkernels.scores(self.decode_row, self.row_args(p), q, p.shape[-2])
-        return q @ self.stored_rows(p).transpose(-1, -2)
+        return q @ self.dequantize(p).float().transpose(-1, -2)
 
     def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
         """``sum_t w_t v_t`` over the stored values: ``w: (B, H, G, T)`` float32 -> ``(B, H, G, D)`` float32."""
         if self.reads_rows(p):
             return rowkernels.weighted_sum(self.decode_row, self.row_args(p), w, p.shape[-1])
-        return w @ self.stored_rows(p)
+        return w @ self.dequantize(p).float()
 
     def decoded_rows(self, p: Packed) -> torch.Tensor | None:
         """Every row from the row kernels, float32 ``(B, H, T, D)``, or None where :meth:`reads_rows` is false."""

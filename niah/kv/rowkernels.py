@@ -78,6 +78,11 @@ def kernels(decode_row) -> RowKernels:
     return RowKernels(scores, weighted_sum, dequantize)
 
 
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernels may read ``t``: it is on the CPU and :data:`ENABLED` is set."""
+    return ENABLED and t.device.type == "cpu"
+
+
 def rows(t: torch.Tensor) -> np.ndarray:
     """A stored tensor ``(B, H, T, ...)`` as a numpy array ``(B*H*T, ...)`` (a view where it is contiguous; fp16
     becomes float32, which numba computes with)."""

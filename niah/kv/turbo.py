@@ -61,6 +61,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -252,7 +253,7 @@ def _mse_encode(x: torch.Tensor, rot: torch.Tensor, bits: int) -> tuple[torch.Te
     """``(packed codes, norm)`` of ``TurboQuant_mse``: the nearest centroids of ``Pi (x / ||x||)``, packed by
     :func:`pack_bits`, and ``||x||`` ``(B,H,T,1)``.  On the CPU, one numba pass divides, codes and packs."""
     book = _codebook(x.shape[-1], bits, x.device)
-    if not (rowkernels.ENABLED and x.device.type == "cpu"):
+    if not rowkernels.usable(x):
         y, norm = _rotate_normalized(x, rot)
         return pack_bits(book.encode(y), bits), norm
     y, norm = _rotate(x, rot)
@@ -331,20 +332,48 @@ def _scaled_centroids_row(stored, r, out):
             out[group * 8 + s] = centroids[(word >> np.uint32(s * bits)) & mask] * scale
 
 
-def _centroid_row_args(codes: torch.Tensor, norm: torch.Tensor, dim: int, bits: int) -> tuple:
-    return rowkernels.rows(codes), rowkernels.rows(norm), _codebook(dim, bits, codes.device).centroids.numpy(), bits
+class _MSEBlock(NamedTuple):
+    """One stored ``TurboQuant_mse`` block and the reads of it.  Reads work in the rotated basis,
+    ``q . k = (Pi q) . (||k|| c)``: the query is rotated once per step and a weighted sum of values rotated back
+    once, instead of one ``d x d`` matmul per stored token.  On the CPU the codes are read by the row kernels
+    (:mod:`niah.kv.rowkernels`); elsewhere through :meth:`rotated`, with torch."""
 
+    codes: torch.Tensor  # uint8 (B, H, T, dim * bits / 8), packed by pack_bits
+    norm: torch.Tensor  # fp16 (B, H, T)
+    bits: int
+    rot: torch.Tensor  # (H, dim, dim), this layer's rotations
 
-def _scaled_centroids_of(codes: torch.Tensor, norm: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
-    """``||x|| c(codes)``: the stored MSE vectors in the rotated basis, ``(B, H, T, dim)`` float32 (no rotation);
-    ``norm * Pi^T`` of it (one matmul with the rotation) is the dequantized vector.  On the CPU, by the row
-    kernel; elsewhere with torch: the codes of each word by one broadcast shift (:func:`unpack_groups`), then a
-    table lookup."""
-    if rowkernels.ENABLED and codes.device.type == "cpu":
-        args = _centroid_row_args(codes, norm, dim, bits)
-        return rowkernels.dequantize(_scaled_centroids_row, args, (*codes.shape[:-1], dim))
-    centroids = _codebook(dim, bits, codes.device).centroids
-    return (centroids[unpack_groups(codes, bits)] * norm.float()[..., None, None]).flatten(-2)
+    def _row_args(self) -> tuple:
+        dim = self.rot.shape[-1]
+        centroids = _codebook(dim, self.bits, self.codes.device).centroids.numpy()
+        return rowkernels.rows(self.codes), rowkernels.rows(self.norm), centroids, self.bits
+
+    def rotated(self) -> torch.Tensor:
+        """``||x|| c(codes)``, the stored vectors in the rotated basis: float32 ``(B, H, T, dim)``.  With torch,
+        the codes of each word come from one broadcast shift (:func:`unpack_groups`), then a table lookup."""
+        dim = self.rot.shape[-1]
+        if rowkernels.usable(self.codes):
+            return rowkernels.dequantize(_scaled_centroids_row, self._row_args(), (*self.codes.shape[:-1], dim))
+        centroids = _codebook(dim, self.bits, self.codes.device).centroids
+        return (centroids[unpack_groups(self.codes, self.bits)] * self.norm.float()[..., None, None]).flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.matmul(self.rotated(), self.rot)
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``q: (B, H, G, dim)`` -> ``(B, H, G, T)``."""
+        q_rot = q @ self.rot.transpose(-1, -2)
+        if rowkernels.usable(self.codes):
+            return rowkernels.scores(_scaled_centroids_row, self._row_args(), q_rot, self.codes.shape[-2])
+        return q_rot @ self.rotated().transpose(-1, -2)
+
+    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+        """``w: (B, H, G, T)`` -> ``(B, H, G, dim)``."""
+        if rowkernels.usable(self.codes):
+            summed = rowkernels.weighted_sum(_scaled_centroids_row, self._row_args(), w, self.rot.shape[-1])
+        else:
+            summed = w @ self.rotated()
+        return summed @ self.rot
 
 
 @dataclass
@@ -365,25 +394,18 @@ class TurboQuantMSE(_Turbo):
         tensors = {"codes": codes, "norm": _norm16(norm)}
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
+    def _block(self, p: Packed) -> _MSEBlock:
+        codes = p.tensors["codes"]
+        return _MSEBlock(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))
+
     def dequantize(self, p: Packed) -> torch.Tensor:
-        rot = self._matrices("rot", p.shape[-1], p.shape[1], p.tensors["codes"].device)
-        return torch.matmul(self.stored_rows(p), rot).to(p.dtype)
-
-    # Reads work in the rotated basis: ``q . k = (Pi q) . (||k|| c)``, so the query is rotated once per step and
-    # the weighted sum of values rotated back once, instead of one ``d x d`` matmul per stored token.
-    decode_row = staticmethod(_scaled_centroids_row)
-
-    def row_args(self, p: Packed) -> tuple:
-        return _centroid_row_args(p.tensors["codes"], p.tensors["norm"], p.shape[-1], self.bits)
-
-    def stored_rows(self, p: Packed) -> torch.Tensor:
-        return _scaled_centroids_of(p.tensors["codes"], p.tensors["norm"], p.shape[-1], self.bits)
+        return self._block(p).dequantize().to(p.dtype)
 
     def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
-        return super().scores(p, q @ self._matrices("rot", p.shape[-1], p.shape[1], q.device).transpose(-1, -2))
+        return self._block(p).scores(q)
 
     def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
-        return super().weighted_sum(p, w) @ self._matrices("rot", p.shape[-1], p.shape[1], w.device)
+        return self._block(p).weighted_sum(w)
 
 
 @dataclass
@@ -468,17 +490,34 @@ class TurboQuantSplit(_Turbo):
             tensors[f"norm_{part}"] = _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def dequantize(self, p: Packed) -> torch.Tensor:
+    def _blocks(self, p: Packed) -> tuple[torch.Tensor, list[_MSEBlock]]:
+        """``(perm, [outlier block, regular block])``: ``perm: (B, H, d)``, the stored channel order."""
         b, h, t, d = p.shape
-        k = d // 2
         dev = p.tensors["outlier_mask"].device
-        parts = []
-        for part, bits in (("hi", self.bits_hi), ("lo", self.bits_lo)):
-            y = _scaled_centroids_of(p.tensors[f"codes_{part}"], p.tensors[f"norm_{part}"], k, bits)
-            parts.append(torch.matmul(y, self._matrices(f"rot_{part}", k, h, dev)))
-        xp = torch.cat(parts, dim=-1)
-        perm = self._perm(unpack_bits(p.tensors["outlier_mask"], 1, d)).unsqueeze(-2).expand(b, h, t, d)
-        return torch.empty_like(xp).scatter_(-1, perm, xp).to(p.dtype)
+        blocks = [
+            _MSEBlock(p.tensors[f"codes_{part}"], p.tensors[f"norm_{part}"], bits, self._matrices(f"rot_{part}", d // 2, h, dev))
+            for part, bits in (("hi", self.bits_hi), ("lo", self.bits_lo))
+        ]
+        return self._perm(unpack_bits(p.tensors["outlier_mask"], 1, d)), blocks
+
+    @staticmethod
+    def _unpermute(xp: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        """``xp: (B, H, N, d)`` in the stored channel order -> the original order."""
+        return torch.empty_like(xp).scatter_(-1, perm.unsqueeze(-2).expand(xp.shape), xp)
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        perm, blocks = self._blocks(p)
+        return self._unpermute(torch.cat([blk.dequantize() for blk in blocks], dim=-1), perm).to(p.dtype)
+
+    def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
+        perm, (hi, lo) = self._blocks(p)
+        qp = torch.gather(q, -1, perm.unsqueeze(-2).expand(q.shape))  # the query in the stored channel order
+        k = p.shape[-1] // 2
+        return hi.scores(qp[..., :k]) + lo.scores(qp[..., k:])
+
+    def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
+        perm, blocks = self._blocks(p)
+        return self._unpermute(torch.cat([blk.weighted_sum(w) for blk in blocks], dim=-1), perm)
 
 
 for _b in (2, 3, 4):
