@@ -6,8 +6,9 @@ import torch
 from niah.kv import rowkernels
 from niah.kv.registry import get_method
 
-TURBO_MSE = ["turbo2", "turbo3", "turbo4", "turbo2.5", "turbo3.5"]  # read through the TurboQuant-MSE decoder
-ROWS = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", *TURBO_MSE]  # every format read by the row kernels
+TURBO_MSE = ["turbo2", "turbo3", "turbo4", "turbo2.5", "turbo3.5"]
+TURBO = [*TURBO_MSE, "turbo2_prod", "turbo3_prod", "turbo4_prod"]  # read in their rotated basis (_CodeBlock)
+ROWS = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", *TURBO]  # every format read by the row kernels
 
 
 def _kv(tokens=37, seed=0):
@@ -32,7 +33,7 @@ def test_row_kernels_read_what_the_torch_path_reads(method, monkeypatch):
     p = q.quantize(_kv())
     query = torch.randn(2, 3, 3, 64, generator=torch.Generator().manual_seed(1))
     w = torch.rand(2, 3, 3, 37, generator=torch.Generator().manual_seed(2))
-    assert q.reads_rows(p) or method in TURBO_MSE  # TurboQuant reads its codes in the rotated basis (_MSEBlock)
+    assert q.reads_rows(p) or method in TURBO  # TurboQuant reads its codes in its rotated basis (_CodeBlock)
     got = q.dequantize(p), q.scores(p, query), q.weighted_sum(p, w)
     want = _torch_path(monkeypatch, lambda: (q.dequantize(p), q.scores(p, query), q.weighted_sum(p, w)))
     assert torch.equal(got[0], want[0]), "dequantize must be bit-exact: the same products either way"

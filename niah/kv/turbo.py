@@ -120,7 +120,6 @@ class _Codebook:
     for more bits, a uniform grid over ``[-1, 1]`` fine enough that each cell holds at most one midpoint:
     ``code = lut_code[cell] + (y > lut_mid[cell])``.  Both give exactly ``torch.bucketize(y, midpoints)``
     (the nearest centroid; exact ties go to the lower one), several times faster than ``bucketize`` on CPU.
-    Decoding: for ``bits`` in {1, 2, 4}, a 256-row table maps each packed byte straight to its centroids.
     """
 
     def __init__(self, dim: int, bits: int, device: torch.device):
@@ -149,8 +148,6 @@ class _Codebook:
             self.cells, self.scale = cells, 1.0 / width
             self.lut_code = torch.tensor(lo, dtype=torch.uint8, device=device)
             self.lut_mid = torch.tensor(inside, dtype=torch.float32, device=device)
-        self._byte_table = None
-        self._sign_table = None
 
     def encode(self, y: torch.Tensor) -> torch.Tensor:
         """Nearest-centroid indices (uint8, same shape as ``y``)."""
@@ -168,44 +165,6 @@ class _Codebook:
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Centroid values (float32) of unpacked codes."""
         return torch.index_select(self.centroids, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
-
-    def decode_packed(self, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """Centroid values ``(..., n)`` of codes packed by :func:`pack_bits` along the last dim."""
-        table = self._table()
-        if table is None:
-            return self.decode(unpack_bits(packed, self.bits, n))
-        out = torch.index_select(table, 0, packed.reshape(-1).to(torch.int32))
-        return out.view(*packed.shape[:-1], n)
-
-    def sign_values(self, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """+-1.0 (float32) for 1-bit codes packed along the last dim (1 -> +1, 0 -> -1)."""
-        if self._sign_table is None:
-            self._sign_table = False
-            table = self._table()  # a 1-bit codebook's centroids are symmetric: use the layout check of _table
-            if table is not None:
-                self._sign_table = torch.sign(table).contiguous()
-        if self._sign_table is False:
-            return unpack_bits(packed, 1, n).float().mul_(2).sub_(1)
-        return torch.index_select(self._sign_table, 0, packed.reshape(-1).to(torch.int32)).view(*packed.shape[:-1], n)
-
-    def _table(self) -> torch.Tensor | None:
-        """``(256, 8 // bits)`` centroids of each byte value, or None if the packing layout does not allow it."""
-        if self._byte_table is None:
-            table = False
-            if self.bits in (1, 2, 4):
-                per = 8 // self.bits
-                device = self.centroids.device
-                all_bytes = torch.arange(256, dtype=torch.uint8, device=device).view(256, 1)
-                byte_codes = unpack_bits(all_bytes, self.bits, per).long()
-                # the table is valid only if each byte holds ``per`` consecutive codes; check on a random row
-                g = torch.Generator().manual_seed(0)
-                probe = torch.randint(0, 1 << self.bits, (3, 64), generator=g, dtype=torch.uint8).to(device)
-                packed = pack_bits(probe, self.bits)
-                looked_up = byte_codes[packed.long()].reshape(3, -1)
-                if looked_up.shape[-1] == 64 and torch.equal(looked_up, probe.long()):
-                    table = self.centroids[byte_codes].contiguous()
-            self._byte_table = table
-        return self._byte_table if self._byte_table is not False else None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -286,12 +245,6 @@ def _encode_rows(y, norm, mids, bits, out):
                 out[r, group * bits + i] = (word >> (8 * i)) & 255
 
 
-def _unrotate_scaled(y: torch.Tensor, rot: torch.Tensor, norm16: torch.Tensor) -> torch.Tensor:
-    """``norm * Pi^T y`` for row vectors ``y``: scale first (in place), then one matmul."""
-    y.mul_(norm16.float().unsqueeze(-1))
-    return torch.matmul(y, rot)
-
-
 @dataclass
 class _Turbo(KVQuantizer):
     """Shared machinery: seeds, per-head matrices, checks."""
@@ -332,30 +285,35 @@ def _scaled_centroids_row(stored, r, out):
             out[group * 8 + s] = centroids[(word >> np.uint32(s * bits)) & mask] * scale
 
 
-class _MSEBlock(NamedTuple):
-    """One stored ``TurboQuant_mse`` block and the reads of it.  Reads work in the rotated basis,
-    ``q . k = (Pi q) . (||k|| c)``: the query is rotated once per step and a weighted sum of values rotated back
-    once, instead of one ``d x d`` matmul per stored token.  On the CPU the codes are read by the row kernels
-    (:mod:`niah.kv.rowkernels`); elsewhere through :meth:`rotated`, with torch."""
+class _CodeBlock(NamedTuple):
+    """Stored vectors of the form ``scale * Pi^T c(codes)``, and the reads of them.  ``TurboQuant_mse`` is one
+    (``scale = ||x||``, Lloyd-Max centroids, ``Pi`` the rotation); ``TurboQuant_prod`` adds a second, its QJL
+    sketch (``c = +-1``, ``Pi = S``).  Reads work in the ``Pi`` basis, ``q . k = (Pi q) . (scale c)``: the query
+    is turned once per step and a weighted sum turned back once, instead of one ``d x d`` matmul per stored
+    token.  On the CPU the codes are read by the row kernels (:mod:`niah.kv.rowkernels`); elsewhere through
+    :meth:`rotated`, with torch."""
 
     codes: torch.Tensor  # uint8 (B, H, T, dim * bits / 8), packed by pack_bits
-    norm: torch.Tensor  # fp16 (B, H, T)
+    scale: torch.Tensor  # (B, H, T): fp16 norms, or float32
+    centroids: torch.Tensor  # float32 (2 ** bits,)
     bits: int
-    rot: torch.Tensor  # (H, dim, dim), this layer's rotations
+    rot: torch.Tensor  # (H, dim, dim)
+
+    @classmethod
+    def mse(cls, codes: torch.Tensor, norm: torch.Tensor, bits: int, rot: torch.Tensor) -> "_CodeBlock":
+        return cls(codes, norm, _codebook(rot.shape[-1], bits, codes.device).centroids, bits, rot)
 
     def _row_args(self) -> tuple:
-        dim = self.rot.shape[-1]
-        centroids = _codebook(dim, self.bits, self.codes.device).centroids.numpy()
-        return rowkernels.rows(self.codes), rowkernels.rows(self.norm), centroids, self.bits
+        return rowkernels.rows(self.codes), rowkernels.rows(self.scale), self.centroids.numpy(), self.bits
 
     def rotated(self) -> torch.Tensor:
-        """``||x|| c(codes)``, the stored vectors in the rotated basis: float32 ``(B, H, T, dim)``.  With torch,
+        """``scale * c(codes)``, the stored vectors in the ``Pi`` basis: float32 ``(B, H, T, dim)``.  With torch,
         the codes of each word come from one broadcast shift (:func:`unpack_groups`), then a table lookup."""
         dim = self.rot.shape[-1]
         if rowkernels.usable(self.codes):
             return rowkernels.dequantize(_scaled_centroids_row, self._row_args(), (*self.codes.shape[:-1], dim))
-        centroids = _codebook(dim, self.bits, self.codes.device).centroids
-        return (centroids[unpack_groups(self.codes, self.bits)] * self.norm.float()[..., None, None]).flatten(-2)
+        codes = unpack_groups(self.codes, self.bits)
+        return (self.centroids[codes] * self.scale.float()[..., None, None]).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
         return torch.matmul(self.rotated(), self.rot)
@@ -394,9 +352,9 @@ class TurboQuantMSE(_Turbo):
         tensors = {"codes": codes, "norm": _norm16(norm)}
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _block(self, p: Packed) -> _MSEBlock:
+    def _block(self, p: Packed) -> _CodeBlock:
         codes = p.tensors["codes"]
-        return _MSEBlock(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))
+        return _CodeBlock.mse(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))
 
     def dequantize(self, p: Packed) -> torch.Tensor:
         return self._block(p).dequantize().to(p.dtype)
@@ -441,15 +399,30 @@ class TurboQuantProd(_Turbo):
         }
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def dequantize(self, p: Packed) -> torch.Tensor:
+    def _blocks(self, p: Packed) -> tuple[_CodeBlock, _CodeBlock]:
+        """The MSE stage, ``||x|| Pi^T c``, and the QJL stage, ``||x|| ||r|| sqrt(pi/2)/d Pi^T S^T sign(S r)``;
+        the second works in the ``S Pi`` basis, so its reads take and give vectors in the ``Pi`` basis."""
         b, h, t, d = p.shape
-        codes = p.tensors["codes"]
-        dev = codes.device
-        y = _codebook(d, self.bits - 1, dev).decode_packed(codes, d)
-        signs = _codebook(d, 1, dev).sign_values(p.tensors["signs"], d)  # +-1
-        qjl = torch.matmul(signs, self._matrices("qjl", d, h, dev))  # rows of (S^T sign(S r))^T
-        y.addcmul_(qjl, p.tensors["rnorm"].float().unsqueeze(-1), value=math.sqrt(math.pi / 2) / d)
-        return _unrotate_scaled(y, self._matrices("rot", d, h, dev), p.tensors["norm"]).to(p.dtype)
+        codes, norm = p.tensors["codes"], p.tensors["norm"]
+        mse = _CodeBlock.mse(codes, norm, self.bits - 1, self._matrices("rot", d, h, codes.device))
+        qjl_scale = norm.float() * p.tensors["rnorm"].float() * (math.sqrt(math.pi / 2) / d)
+        signs = _SIGNS.to(codes.device)
+        return mse, _CodeBlock(p.tensors["signs"], qjl_scale, signs, 1, self._matrices("qjl", d, h, codes.device))
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        mse, qjl = self._blocks(p)
+        return (mse.dequantize() + qjl.dequantize() @ mse.rot).to(p.dtype)
+
+    def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
+        mse, qjl = self._blocks(p)
+        return mse.scores(q) + qjl.scores(q @ mse.rot.transpose(-1, -2))
+
+    def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
+        mse, qjl = self._blocks(p)
+        return mse.weighted_sum(w) + qjl.weighted_sum(w) @ mse.rot
+
+
+_SIGNS = torch.tensor([-1.0, 1.0])  # the values of QJL sign bits 0 and 1
 
 
 @dataclass
@@ -490,12 +463,12 @@ class TurboQuantSplit(_Turbo):
             tensors[f"norm_{part}"] = _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _blocks(self, p: Packed) -> tuple[torch.Tensor, list[_MSEBlock]]:
+    def _blocks(self, p: Packed) -> tuple[torch.Tensor, list[_CodeBlock]]:
         """``(perm, [outlier block, regular block])``: ``perm: (B, H, d)``, the stored channel order."""
         b, h, t, d = p.shape
         dev = p.tensors["outlier_mask"].device
         blocks = [
-            _MSEBlock(p.tensors[f"codes_{part}"], p.tensors[f"norm_{part}"], bits, self._matrices(f"rot_{part}", d // 2, h, dev))
+            _CodeBlock.mse(p.tensors[f"codes_{part}"], p.tensors[f"norm_{part}"], bits, self._matrices(f"rot_{part}", d // 2, h, dev))
             for part, bits in (("hi", self.bits_hi), ("lo", self.bits_lo))
         ]
         return self._perm(unpack_bits(p.tensors["outlier_mask"], 1, d)), blocks
