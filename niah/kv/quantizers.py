@@ -174,6 +174,11 @@ class Q4_0(_HeadBlocks):
 
     def quantize(self, x: torch.Tensor) -> Packed:
         blocks = self._blocks(x)
+        if rowkernels.usable(blocks):
+            codes = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8)
+            scales = torch.empty(*x.shape[:-1], x.shape[-1] // BLOCK)
+            _q4_0_encode_rows(rowkernels.rows(blocks.flatten(-2)), codes.view(-1, codes.shape[-1]).numpy(), scales.view(-1, scales.shape[-1]).numpy())
+            return Packed({"codes": codes, "scales": scales.half()}, tuple(x.shape), x.dtype)
         d = _signed_absmax(blocks) / -8
         codes = _small_codes((blocks * _inverse(d)).add_(8.5)).clamp_max_(15)
         # ggml nibbles: byte j = code j | code j+16 << 4.  Every code is < 16, so shifting the 64-bit words of the
@@ -201,6 +206,27 @@ class Q4_0(_HeadBlocks):
                 byte = np.int32(codes[r, blk * 16 + i])
                 out[blk * 32 + i] = ((byte & 15) - 8) * d
                 out[blk * 32 + 16 + i] = ((byte >> 4) - 8) * d
+
+
+@njit(boundscheck=False, nogil=True)  # no fastmath: ggml's float32 arithmetic, bit for bit
+def _q4_0_encode_rows(x, codes, scales):
+    """q4_0 on the CPU in one pass: ``x: float32 (R, D)`` -> ``codes: uint8 (R, D/2)``, ``scales: float32
+    (R, D/32)``, the numbers of the torch path of :meth:`Q4_0.quantize` (the first value of largest ``|x|``
+    wins, as in ggml; starting from the block's first value keeps the sign of an all-zero block's zero)."""
+    for r in range(x.shape[0]):
+        for blk in range(scales.shape[1]):
+            base = blk * BLOCK
+            m = x[r, base]
+            for i in range(base + 1, base + BLOCK):
+                if abs(x[r, i]) > abs(m):
+                    m = x[r, i]
+            d = m / np.float32(-8.0)
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            scales[r, blk] = d
+            for i in range(BLOCK // 2):
+                lo = min(15, int(x[r, base + i] * inv + np.float32(8.5)))
+                hi = min(15, int(x[r, base + BLOCK // 2 + i] * inv + np.float32(8.5)))
+                codes[r, blk * BLOCK // 2 + i] = lo | hi << 4
 
 
 def _e2m1_code_table() -> torch.Tensor:
