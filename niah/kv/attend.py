@@ -5,12 +5,12 @@ allocations of the whole cache at every step) and then attends.  Here each store
 its own (:meth:`KVQuantizer.scores`, :meth:`KVQuantizer.weighted_sum`), and the softmax runs over the joined
 scores:
 
-* on the CPU, formats with a row decoder (q8_0, q4_0, fp8, fp4_e2m1, TurboQuant-MSE) run the numba loops of
-  :mod:`niah.kv.rowkernels`: each stored vector is decoded into a buffer that stays in L1 and used at once, so a
-  step reads the codes, not a full-precision copy.  TurboQuant-MSE works in its rotated basis:
-  ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so ``q . k = (Pi q) . (||k|| c)``; the query is
-  rotated once per step and the weighted sum of values rotated back once.
-* elsewhere (other formats, other devices) a chunk is dequantized into a temporary and multiplied with the query
+* on the CPU, every quantized format runs the numba loops of :mod:`niah.kv.rowkernels`: each stored vector is
+  decoded into a buffer that stays in L1 and used at once, so a step reads the codes, not a full-precision copy.
+  TurboQuant works in its rotated basis: ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so
+  ``q . k = (Pi q) . (||k|| c)``; the query is rotated once per step and the weighted sum of values rotated back
+  once (``_prod`` adds its QJL sketch the same way, in the basis of ``S``).
+* elsewhere (fp16 and bf16, other devices) a chunk is dequantized into a temporary and multiplied with the query
   or the weights.
 
 The numbers are the same as attending over the dequantized cache up to float32 summation order (the tests check
