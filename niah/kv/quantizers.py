@@ -402,8 +402,9 @@ def _minmax_row_args(p: Packed, bits: int, size: int, dim: int) -> tuple:
 def _minmax_row(stored, r, out):
     """Row decoder (:mod:`niah.kv.rowkernels`) of :func:`_minmax_quantize`'s layout: ``code * scale + zero``
     (two roundings, as the torch path), the scale and zero of row ``r``'s token group (``token_size`` tokens per
-    group, along dim -2) or channel group (``channel_size`` channels, along dim -1).  Codes are read from the bit
-    stream of :func:`pack_bits`; a 3-bit code may straddle two bytes."""
+    group, along dim -2) or channel group (``channel_size`` channels, along dim -1).  The codes go to ``out``
+    first, from the bit stream of :func:`pack_bits` (a 3-bit code may straddle two bytes), then one loop per
+    scale column scales them (loops that LLVM vectorizes)."""
     codes, scales, zeros, bits, tokens, token_size, channel_size = stored
     s = (r // tokens) * ((tokens + token_size - 1) // token_size) + (r % tokens) // token_size
     mask = (1 << bits) - 1
@@ -412,8 +413,15 @@ def _minmax_row(stored, r, out):
         word = np.int32(codes[r, first])
         if shift + bits > 8:
             word |= np.int32(codes[r, first + 1]) << 8
-        c = j // channel_size
-        out[j] = np.float32((word >> shift) & mask) * scales[s, c] + zeros[s, c]
+        out[j] = np.float32((word >> shift) & mask)
+    if channel_size == 1:
+        for j in range(out.shape[0]):
+            out[j] = out[j] * scales[s, j] + zeros[s, j]
+    else:
+        for c in range(scales.shape[1]):
+            scale, zero = scales[s, c], zeros[s, c]
+            for j in range(c * channel_size, (c + 1) * channel_size):
+                out[j] = out[j] * scale + zero
 
 
 def _pad_groups(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
