@@ -40,9 +40,11 @@ from .registry import register
 
 BLOCK = 32  # values per scale along head_dim (llama.cpp QK8_0 = QK4_0 = 32; KIVI's group size)
 
-# Speed notes (CPU, one thread): fresh full-size tensors cost page faults, so each method allocates one
-# float32 working tensor and updates it in place; float -> uint8 casts are ~8x slower than float -> int8, so
-# small codes go through int8; e4m3 -> float32 casts are slow, so its bits are moved by hand (_fp8_float).
+# Speed notes (CPU, one thread): reads on the CPU go through each format's numba ``decode_row``
+# (:mod:`niah.kv.rowkernels`); the torch paths below serve other devices.  In them, fresh full-size tensors cost
+# page faults, so each method allocates one float32 working tensor and updates it in place; float -> uint8
+# casts are ~8x slower than float -> int8, so small codes go through int8; e4m3 -> float32 casts are slow, so
+# its bits are moved by hand (_fp8_float).
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,9 @@ any reader regenerates them from the seed (cost: ``O(d^3)`` once per layer and h
 tokens; kept in a process-wide cache shared by all quantizer instances, so each new cache reuses them).
 :meth:`for_layer` returns a copy seeded for that layer.
 
-Speed: quantize and dequantize are one ``(tokens x d) @ (d x d)`` matmul per head (two for ``_prod``) plus a
-few elementwise passes; the dense rotation makes them matmul-bound, several times the cost of a copy.
+Speed: quantize and dequantize are one ``(tokens x d) @ (d x d)`` matmul per head (two for ``_prod``) plus one
+pass over the codes (on the CPU a numba loop: :func:`_encode_rows`, :mod:`niah.kv.rowkernels`); the dense
+rotation alone costs about half a copy.  Reads in a decode step need no rotation per token (:class:`_CodeBlock`).
 
 Constraints: ``head_dim`` must be a multiple of 8 and at least 16 (a multiple of 16 for ``turbo2.5`` and
 ``turbo3.5``).  Multiples of 8 let every code width pack into whole bytes with no padding; below 16 the fp16
