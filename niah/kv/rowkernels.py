@@ -14,7 +14,7 @@ at once:
 Why numba and not ``torch.compile``: inductor's CPU code for these small gathers and bit fields wrote at 1-2 GB/s
 here (bounds checks, int64 index vectors, masked tails of 16-wide vectors over 8-code groups), while these plain
 loops, which LLVM vectorizes, decode at several times that and let one decode step read the codes instead of a
-full-precision copy.  They compile in about a second per (decoder, kernel) pair, at first use in a process.
+full-precision copy.  They compile at first use in a process: 0.2-0.7 s per (decoder, kernel) pair here.
 """
 
 from __future__ import annotations
