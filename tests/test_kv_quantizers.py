@@ -307,12 +307,11 @@ def test_q8_0_rounding_matches_gguf_on_every_float_near_ties():
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_codes_decode_exactly_eager_and_compiled(fp8):
+def test_fp8_codes_decode_exactly(fp8):
     from niah.kv.quantizers import _fp8_float
 
     codes = torch.arange(256, dtype=torch.uint8).view(fp8)
     want = codes.float()
     finite = want.isfinite()
-    for decode in (_fp8_float, torch.compile(_fp8_float)):
-        got = decode(codes)
-        assert torch.equal(got[finite], want[finite]), fp8
+    got = _fp8_float(codes)
+    assert torch.equal(got[finite], want[finite]), fp8
