@@ -22,10 +22,13 @@ def version(pkg: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
-    """The repo's HEAD commit, with ``+dirty`` when tracked files differ from it; ``unknown`` outside git."""
+    """The repo's HEAD commit, with ``+dirty`` when tracked files differ from it; ``unknown`` outside git.
+    ``figures/`` does not count: the chain itself rewrites the committed figures before its later notebooks
+    record the commit."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)figures"]
+        dirty = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -76,3 +76,32 @@ def test_random_model_with_rope_scaling_reports_both_limits():
                      "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     assert (lm.native_context, lm.max_context) == (512, 1024)
     assert lm.model.config.rope_parameters["rope_type"] == "yarn"
+
+
+def test_git_commit_is_dirty_for_code_changes_but_not_for_regenerated_figures(tmp_path, monkeypatch):
+    import subprocess
+
+    from niah import env
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "plot.png").write_bytes(b"old")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    monkeypatch.setattr(env, "ROOT", tmp_path)
+
+    def commit():
+        env.git_commit.cache_clear()
+        return env.git_commit()
+
+    try:
+        (tmp_path / "figures" / "plot.png").write_bytes(b"new")  # the chain rewrites its figures
+        assert not commit().endswith("+dirty")
+        (tmp_path / "code.py").write_text("x = 2\n")
+        assert commit().endswith("+dirty")
+    finally:
+        env.git_commit.cache_clear()
