@@ -107,14 +107,25 @@ class KVQuantizer(ABC):
             return rowkernels.weighted_sum(self.decode_row, self.row_args(p), w, p.shape[-1])
         return w @ self.dequantize(p).float()
 
-    def decoded_rows(self, p: Packed) -> torch.Tensor | None:
-        """Every row from the row kernels, float32 ``(B, H, T, D)``, or None where :meth:`reads_rows` is false."""
-        return rowkernels.dequantize(self.decode_row, self.row_args(p), p.shape) if self.reads_rows(p) else None
-
     @staticmethod
     def bits_per_value(p: Packed) -> float:
         """Measured bits per value: 8 * stored bytes / number of values."""
         return 8.0 * p.nbytes() / p.numel
+
+
+class RowDecoded(KVQuantizer):
+    """A format with a numba row decoder: subclasses give ``decode_row``, :meth:`row_args` and
+    :meth:`torch_dequantize` (the path for other devices, and the reference the tests compare with);
+    :meth:`dequantize` picks between them."""
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        if self.reads_rows(p):
+            return rowkernels.dequantize(self.decode_row, self.row_args(p), p.shape).to(p.dtype)
+        return self.torch_dequantize(p)
+
+    @abstractmethod
+    def torch_dequantize(self, p: Packed) -> torch.Tensor:
+        """:meth:`dequantize` with torch ops, on any device."""
 
 
 def concat_tokens(a: Packed, b: Packed) -> Packed:

@@ -34,7 +34,7 @@ from numba import njit
 
 from . import rowkernels
 from .attend import fused_or_eager
-from .base import KVQuantizer, Packed, check_kv_shape
+from .base import Packed, RowDecoded, check_kv_shape
 from .packing import pack_bits, unpack_bits
 from .registry import register
 
@@ -88,8 +88,9 @@ def _q8_0_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.flatten(-2), d.squeeze(-1).half()
 
 
-class _HeadBlocks(KVQuantizer):
-    """Base for formats with ``code_bits``-bit codes and one fp16 scale per block of ``BLOCK`` values along head_dim."""
+class _HeadBlocks(RowDecoded):
+    """Base for formats with ``code_bits``-bit codes and one fp16 scale per block of ``BLOCK`` values along head_dim.
+    Their row decoders read ``row_args`` = ``(codes, scales)``, rows first."""
 
     code_bits: ClassVar[int]
     tokenwise = True  # blocks run along head_dim: each token is coded on its own
@@ -112,6 +113,9 @@ class _HeadBlocks(KVQuantizer):
         -> ``(B, H, T, D)`` in ``p.dtype``."""
         return values.mul_(p.tensors["scales"].float().unsqueeze(-1)).flatten(-2).to(p.dtype)
 
+    def row_args(self, p: Packed) -> tuple:
+        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(p.tensors["scales"])
+
 
 @dataclass
 class Q8_0(_HeadBlocks):
@@ -129,12 +133,8 @@ class Q8_0(_HeadBlocks):
         codes, scales = fused_or_eager(_q8_0_encode, self._blocks(x), tokens=x.shape[-2])
         return Packed({"codes": codes, "scales": scales}, tuple(x.shape), x.dtype)
 
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        rows = self.decoded_rows(p)
-        return rows.to(p.dtype) if rows is not None else self._scaled(_q8_values(p.tensors["codes"]), p)
-
-    def row_args(self, p: Packed) -> tuple:
-        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(p.tensors["scales"])
+    def torch_dequantize(self, p: Packed) -> torch.Tensor:
+        return self._scaled(_q8_values(p.tensors["codes"]), p)
 
     @staticmethod
     @njit(**rowkernels.DECODER)
@@ -189,14 +189,8 @@ class Q4_0(_HeadBlocks):
         packed = (halves[..., 0, :] | halves[..., 1, :] << 4).view(torch.uint8)
         return Packed({"codes": packed.flatten(-2), "scales": d.squeeze(-1).half()}, tuple(x.shape), x.dtype)
 
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        rows = self.decoded_rows(p)
-        if rows is None:
-            rows = _q4_0_decode(p.tensors["codes"], p.tensors["scales"]).flatten(-3)
-        return rows.to(p.dtype)
-
-    def row_args(self, p: Packed) -> tuple:
-        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(p.tensors["scales"])
+    def torch_dequantize(self, p: Packed) -> torch.Tensor:
+        return _q4_0_decode(p.tensors["codes"], p.tensors["scales"]).flatten(-3).to(p.dtype)
 
     @staticmethod
     @njit(**rowkernels.DECODER)
@@ -204,7 +198,7 @@ class Q4_0(_HeadBlocks):
         codes, scales = stored
         for blk in range(scales.shape[1]):
             d = scales[r, blk]
-            for i in range(16):  # low nibbles, then high nibbles: two plain loops ran 5-10% faster than one
+            for i in range(16):  # low nibbles, then high nibbles: two plain loops ran 5-10% faster than one (one-off paired timing)
                 out[blk * 32 + i] = np.float32(np.int32(codes[r, blk * 16 + i] & 15) - 8) * d
             for i in range(16):
                 out[blk * 32 + 16 + i] = np.float32(np.int32(codes[r, blk * 16 + i] >> 4) - 8) * d
@@ -273,16 +267,13 @@ class FP4E2M1(_HeadBlocks):
         codes = _E2M1_CODES.to(x.device).index_select(0, j.to(torch.int32).flatten()).view(x.shape)
         return Packed({"codes": pack_bits(codes, 4), "scales": scale.squeeze(-1)}, tuple(x.shape), x.dtype)
 
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        rows = self.decoded_rows(p)
-        if rows is not None:
-            return rows.to(p.dtype)
+    def torch_dequantize(self, p: Packed) -> torch.Tensor:
         packed = p.tensors["codes"]
         values = _E2M1_PAIRS.to(packed.device).index_select(0, packed.flatten().to(torch.int32))
         return self._scaled(values.view(*p.shape[:-1], -1, BLOCK), p)
 
     def row_args(self, p: Packed) -> tuple:
-        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(p.tensors["scales"]), _E2M1_PAIRS.numpy()
+        return *super().row_args(p), _E2M1_PAIRS.numpy()
 
     @staticmethod
     @njit(**rowkernels.DECODER)
@@ -296,7 +287,7 @@ class FP4E2M1(_HeadBlocks):
 
 
 @dataclass
-class FP8(KVQuantizer):
+class FP8(RowDecoded):
     """float8 codes with one fp32 scale ``absmax / finfo.max`` per (batch, KV head) over the stored chunk.
 
     ``fp8_e4m3`` (``torch.float8_e4m3fn``, max 448) is vLLM's default fp8 KV-cache dtype (``kv_cache_dtype="fp8"``);
@@ -314,19 +305,18 @@ class FP8(KVQuantizer):
         codes, scale = fused_or_eager(_fp8_encode, x, self.fp8, tokens=x.shape[-2])
         return Packed({"codes": codes, "scales": scale}, tuple(x.shape), x.dtype)
 
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        rows = self.decoded_rows(p)
-        return (rows if rows is not None else _fp8_decode(p.tensors["codes"], p.tensors["scales"])).to(p.dtype)
+    def torch_dequantize(self, p: Packed) -> torch.Tensor:
+        return _fp8_decode(p.tensors["codes"], p.tensors["scales"]).to(p.dtype)
 
     def row_args(self, p: Packed) -> tuple:
-        scales = p.tensors["scales"][..., None].expand(p.shape[:3])  # one scale per row
-        return rowkernels.rows(p.tensors["codes"]), rowkernels.rows(scales), _fp8_table(self.fp8).numpy()
+        scales = rowkernels.rows(p.tensors["scales"].reshape(-1, 1, 1))  # one per (batch, head): row r's is r // T
+        return rowkernels.rows(p.tensors["codes"]), scales, _fp8_table(self.fp8).numpy(), p.shape[2]
 
     @staticmethod
     @njit(**rowkernels.DECODER)
     def decode_row(stored, r, out):
-        codes, scales, table = stored
-        d = scales[r]
+        codes, scales, table, tokens = stored
+        d = scales[r // tokens]
         for i in range(out.shape[0]):
             out[i] = table[codes[r, i]] * d
 
@@ -393,13 +383,6 @@ def _minmax_dequantize(p: Packed, bits: int, size: int, dim: int) -> torch.Tenso
     return x.flatten(dim - 1, dim).narrow(dim, 0, p.shape[dim]).to(p.dtype)
 
 
-def _minmax_row_args(p: Packed, bits: int, size: int, dim: int) -> tuple:
-    """What :func:`_minmax_row` reads of ``p`` (see :func:`_minmax_quantize` for ``size`` and ``dim``)."""
-    t = p.tensors
-    token_size, channel_size = (size, 1) if dim == -2 else (1, size)
-    return rowkernels.rows(t["codes"]), rowkernels.rows(t["scales"]), rowkernels.rows(t["zeros"]), bits, p.shape[2], token_size, channel_size
-
-
 @njit(**rowkernels.DECODER)
 def _minmax_row(stored, r, out):
     """Row decoder (:mod:`niah.kv.rowkernels`) of :func:`_minmax_quantize`'s layout: ``code * scale + zero``
@@ -426,6 +409,31 @@ def _minmax_row(stored, r, out):
                 out[j] = out[j] * scale + zero
 
 
+class _MinMax(RowDecoded):
+    """Base for the min/max formats (:func:`_minmax_quantize`): ``bits`` and :attr:`_groups` define them."""
+
+    bits: int  # a field of each dataclass subclass
+
+    @property
+    def _groups(self) -> tuple[int, int]:
+        """``(size, dim)`` of :func:`_minmax_quantize`."""
+        raise NotImplementedError
+
+    def torch_dequantize(self, p: Packed) -> torch.Tensor:
+        return _minmax_dequantize(p, self.bits, *self._groups)
+
+    decode_row = staticmethod(_minmax_row)
+
+    def row_args(self, p: Packed) -> tuple:
+        size, dim = self._groups
+        token_size, channel_size = (size, 1) if dim == -2 else (1, size)
+        t = {k: rowkernels.rows(v) for k, v in p.tensors.items()}
+        return t["codes"], t["scales"], t["zeros"], self.bits, p.shape[2], token_size, channel_size
+
+    def analytical_bits(self, head_dim: int) -> float:
+        return self.bits + 32 / self._groups[0]  # codes + fp16 scale and zero per group
+
+
 def _pad_groups(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
     """``x`` with ``dim`` split into ``(groups, size)``, padded at the end by repeating its last slice."""
     n = x.shape[dim]
@@ -435,7 +443,7 @@ def _pad_groups(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
 
 
 @dataclass
-class KIVI(KVQuantizer):
+class KIVI(_MinMax):
     """KIVI (arXiv 2402.02750): ``bits``-bit asymmetric min/max, fp16 scale and zero point per group of 32.
 
     ``role="key"``: per channel, groups of 32 consecutive tokens (``token_group = 32``; head_dim is free).
@@ -459,8 +467,8 @@ class KIVI(KVQuantizer):
         return BLOCK if self.role == "key" else 1
 
     @property
-    def _dim(self) -> int:
-        return -2 if self.role == "key" else -1
+    def _groups(self) -> tuple[int, int]:
+        return BLOCK, -2 if self.role == "key" else -1
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.role == "value":
@@ -474,23 +482,11 @@ class KIVI(KVQuantizer):
                 f"{self.name} quantizes keys per channel in groups of {BLOCK} tokens; got {x.shape[-2]} tokens "
                 f"(the cache must pass whole groups: token_group = {BLOCK})"
             )
-        return Packed(_minmax_quantize(x, self.bits, BLOCK, self._dim), tuple(x.shape), x.dtype)
-
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        rows = self.decoded_rows(p)
-        return rows.to(p.dtype) if rows is not None else _minmax_dequantize(p, self.bits, BLOCK, self._dim)
-
-    decode_row = staticmethod(_minmax_row)
-
-    def row_args(self, p: Packed) -> tuple:
-        return _minmax_row_args(p, self.bits, BLOCK, self._dim)
-
-    def analytical_bits(self, head_dim: int) -> float:
-        return self.bits + 32 / BLOCK
+        return Packed(_minmax_quantize(x, self.bits, *self._groups), tuple(x.shape), x.dtype)
 
 
 @dataclass
-class SlidingWindowAsym3(KVQuantizer):
+class SlidingWindowAsym3(_MinMax):
     """The seed article's quantizer: 3-bit asymmetric min/max with statistics over a window of 512 tokens.
 
     Per channel, the tokens of each stored chunk are split into consecutive windows of ``window`` tokens (the
@@ -513,21 +509,13 @@ class SlidingWindowAsym3(KVQuantizer):
         """The cache stores whole windows: the newest (< 512) tokens wait in full precision until a window fills."""
         return self.window
 
+    @property
+    def _groups(self) -> tuple[int, int]:
+        return self.window, -2
+
     def quantize(self, x: torch.Tensor) -> Packed:
         check_kv_shape(x)
-        return Packed(_minmax_quantize(x, self.bits, self.window, -2), tuple(x.shape), x.dtype)
-
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        rows = self.decoded_rows(p)
-        return rows.to(p.dtype) if rows is not None else _minmax_dequantize(p, self.bits, self.window, -2)
-
-    decode_row = staticmethod(_minmax_row)
-
-    def row_args(self, p: Packed) -> tuple:
-        return _minmax_row_args(p, self.bits, self.window, -2)
-
-    def analytical_bits(self, head_dim: int) -> float:
-        return self.bits + 32 / self.window
+        return Packed(_minmax_quantize(x, self.bits, *self._groups), tuple(x.shape), x.dtype)
 
 
 register("q8_0")(Q8_0)

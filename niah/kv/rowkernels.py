@@ -12,7 +12,7 @@ at once:
 * ``dequantize(stored, out)``: ``out: (R, D)``, every row.
 
 Why numba and not ``torch.compile``: inductor's CPU code for these small gathers and bit fields wrote at 1-2 GB/s
-here (bounds checks, int64 index vectors, masked tails of 16-wide vectors over 8-code groups), while these plain
+here in one-off timings (bounds checks, int64 index vectors, masked tails of 16-wide vectors over 8-code groups), while these plain
 loops, which LLVM vectorizes, decode at several times that and let one decode step read the codes instead of a
 full-precision copy.  They compile at first use in a process: 0.2-0.7 s per (decoder, kernel) pair here.
 """
