@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from niah.kv.packing import pack_bits, unpack_bits
+from niah.kv.packing import pack_bits, pack_planes, unpack_bits, unpack_planes
 from niah.kv.registry import get_method
 
 METHODS = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2_key", "kivi2_value", "kivi4_key", "kivi4_value",
@@ -47,6 +47,27 @@ def test_pack_layout_is_a_little_endian_bit_stream():
     assert pack_bits(codes, 3).tolist() == [stream & 255, stream >> 8 & 255, stream >> 16]
     assert pack_bits(torch.tensor([1, 2, 3, 15], dtype=torch.uint8), 4).tolist() == [0x21, 0xF3]
     assert pack_bits(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.uint8), 1).tolist() == [0x81, 0x01]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n", [8, 16, 24, 48, 64, 96])
+def test_bit_planes_round_trip_in_the_same_bytes(bits, n):
+    codes = torch.randint(0, 2**bits, (2, 3, 5, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    packed = pack_planes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 5, n * bits // 8)
+    assert torch.equal(unpack_planes(packed, bits, n), codes)
+    if bits == 1:
+        assert torch.equal(packed, pack_bits(codes, 1))
+
+
+def test_bit_plane_layout():
+    codes = torch.zeros(64, dtype=torch.uint8)
+    codes[0], codes[9], codes[33] = 5, 2, 7  # runs of 32: code 33 is lane 1 of the second run
+    planes = [1, 0, 0, 0, 0, 2, 0, 0, 1, 0, 0, 0] + [2, 0, 0, 0] * 3  # run 1: planes 0, 1, 2 of 4 bytes each
+    assert pack_planes(codes, 3).tolist() == planes
+    assert pack_planes(codes[:16], 3).tolist() == [1, 0, 0, 2, 1, 0]  # a 16-code row: runs of 16, 2 bytes a plane
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_planes(torch.zeros(12, dtype=torch.uint8), 3)
 
 
 def test_pack_rejects_bad_arguments():

@@ -12,6 +12,14 @@ Layout: the codes of a row form one little-endian bit stream.  Code ``i`` occupi
 A row of ``n`` codes is padded with zero codes to a whole number of such groups (``8 // gcd(8, bits)`` codes:
 8 for 1 and 3 bits, 4 for 2 bits, 2 for 4 bits, 1 for 8 bits), so it takes ``ceil(n / group) * bytes_per_group``
 bytes; :func:`unpack_bits` needs ``n`` to drop the padding.
+
+:func:`pack_planes` is a second layout, for the formats that the CPU row kernels read in SIMD lanes
+(TurboQuant): bit planes.  The ``n`` codes of a row (``n`` a multiple of 8) form runs of ``m`` codes, ``m`` the
+largest of 32, 16 and 8 that divides ``n`` (:func:`plane_run`).  A run takes ``bits`` planes of ``m / 8`` bytes,
+plane ``k`` first; byte ``i`` of plane ``k`` holds bit ``k`` of codes ``8i .. 8i + 7`` of the run, code ``8i + s``
+at bit ``s``.  Read as a little-endian ``m``-bit integer, plane ``k`` holds bit ``k`` of code ``s`` at bit ``s``,
+so one shift per lane decodes a whole run.  The same ``n * bits / 8`` bytes as :func:`pack_bits`; for
+``bits = 1`` the two layouts are the same.
 """
 
 from __future__ import annotations
@@ -68,6 +76,33 @@ def unpack_groups(packed: torch.Tensor, bits: int) -> torch.Tensor:
     for i in range(1, nbytes):
         word = word | groups[..., i] << 8 * i
     return word[..., None] >> _shifts(bits, group, word.device) & (1 << bits) - 1
+
+
+def plane_run(n: int) -> int:
+    """The run length of :func:`pack_planes` for rows of ``n`` codes: 32, 16 or 8."""
+    if n % 8:
+        raise ValueError(f"bit planes take a multiple of 8 codes per row; got {n}")
+    return 32 if n % 32 == 0 else 16 if n % 16 == 0 else 8
+
+
+def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes: uint8 (..., n)``, ``n`` a multiple of 8, every value ``< 2**bits`` (not checked) ->
+    ``uint8 (..., n * bits / 8)`` in the bit-plane layout of the module docstring."""
+    _layout(bits)
+    runs = codes.unflatten(-1, (-1, plane_run(codes.shape[-1]))).unsqueeze(-2).to(torch.int32)
+    planes = runs >> _shifts(1, bits, codes.device)[:, None] & 1  # (..., runs, bits, m)
+    octets = planes.unflatten(-1, (-1, 8)) << _shifts(1, 8, codes.device)
+    return octets.sum(-1).to(torch.uint8).flatten(-3)
+
+
+def unpack_planes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: ``packed: uint8 (..., n * bits / 8)`` -> ``codes: uint8 (..., n)``."""
+    _layout(bits)
+    if packed.shape[-1] * 8 != n * bits:
+        raise ValueError(f"{packed.shape[-1]} bytes do not hold {n} codes of {bits} bits")
+    octets = packed.unflatten(-1, (-1, bits, plane_run(n) // 8)).to(torch.int32)
+    planes = (octets[..., None] >> _shifts(1, 8, packed.device) & 1).flatten(-2)  # (..., runs, bits, m)
+    return (planes << _shifts(1, bits, packed.device)[:, None]).sum(-2).to(torch.uint8).flatten(-2)
 
 
 def _shifts(step: int, count: int, device: torch.device) -> torch.Tensor:
