@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from niah.haystack import haystack_text, tokenize_haystack
+from niah.kv import cache as cache_module
 from niah.kv.cache import PackedCache, PackedLayer
 from niah.kv.registry import available, get_method
 from niah.needles import NeedleSpec, make_trial
@@ -64,8 +65,8 @@ def test_unsupported_head_dim_names_the_method_and_the_choices():
 @pytest.mark.parametrize("method", ["q8_0", "q4_0", "turbo3", "turbo3_prod"])
 @pytest.mark.parametrize("keep", [True, False])
 def test_decode_steps_merge_chunks_without_changing_what_is_read(method, keep):
-    """One-token decode chunks of tokenwise formats merge into O(log n) chunks; every read equals that of a
-    cache that keeps them apart, with or without the dequantized memo."""
+    """One-token decode chunks of tokenwise formats merge into few chunks (here, into the short prefill's); every
+    read equals that of a cache that keeps them apart, with or without the dequantized memo."""
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(2, 1, 2, 140, 64, generator=g)
     layer = PackedLayer(get_method(method), 1, keep_dequantized=keep)
@@ -78,8 +79,20 @@ def test_decode_steps_merge_chunks_without_changing_what_is_read(method, keep):
         got = layer.update(k[..., t : t + 1, :], v[..., t : t + 1, :])
         torch.testing.assert_close(got, want)  # float rounding only: a merged chunk is dequantized in one matmul
     assert len(apart.chunks) == 41
-    assert len(layer.chunks) <= 1 + 6, f"{len(layer.chunks)} chunks after 40 decode steps"
+    assert len(layer.chunks) == 1, f"{len(layer.chunks)} chunks after 40 decode steps"
     for kind in (0, 1):  # the stored codes are the same bits
         for name in layer.chunks[0][kind].tensors:
             joined = [torch.cat([c[kind].tensors[name] for c in chunks], dim=2) for chunks in (layer.chunks, apart.chunks)]
             assert torch.equal(*joined), name
+
+
+def test_long_decodes_keep_few_chunks(monkeypatch):
+    """Past MERGE_BELOW tokens the chunks of a decode merge as a binary counter: O(log n) of them."""
+    monkeypatch.setattr(cache_module, "MERGE_BELOW", 4)
+    layer = PackedLayer(get_method("q8_0"), 0, keep_dequantized=False)
+    x = torch.randn(1, 1, 300, 32)
+    layer.update(x[..., :200, :], x[..., :200, :])
+    for t in range(200, 300):
+        layer.update(x[..., t : t + 1, :], x[..., t : t + 1, :])
+    sizes = [k.shape[-2] for k, _ in layer.chunks]
+    assert sizes[0] == 200 and sum(sizes) == 300 and len(sizes) <= 1 + 7, sizes

@@ -5,9 +5,11 @@ tokens in full precision, ``(batch, kv_heads, tokens, head_dim)``.  Whenever the
 ``method.residual + method.token_group`` tokens, its oldest whole groups are quantized into a new chunk.
 With ``residual = 0`` and ``token_group = 1`` (q8_0, q4_0, fp8...) every token is quantized as soon as it is
 stored, as llama.cpp does, so even the question's own tokens are read back quantized.  For ``tokenwise``
-formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter),
-so ``n`` decode steps leave ``O(log n)`` chunks, each token is copied ``O(log n)`` times, and a long decode
-reads a few large chunks (:mod:`niah.kv.attend`) rather than many one-token ones.
+formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter) or
+shorter than :data:`MERGE_BELOW` tokens.  ``n`` decode steps leave ``O(log n)`` chunks, each token is copied
+``O(log n)`` times plus at most :data:`MERGE_BELOW` tokens' codes per step, and a step after a long prefill reads
+two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed ~0.1 ms of Python per
+read, more than copying a few hundred tokens' codes.
 
 Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
 ``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the stored chunks one by one
@@ -31,7 +33,8 @@ from .attend import FUSE_MIN_TOKENS, decode_attention
 from .base import concat_tokens
 from .registry import KVMethod
 
-FUSED = "niah_packed"  # the attention implementation that reads PackedLayer codes in decode steps
+FUSED = "niah_packed"
+MERGE_BELOW = 256  # tokens: a chunk shorter than this absorbs the next one  # the attention implementation that reads PackedLayer codes in decode steps
 
 
 class PackedLayer(CacheLayerMixin):
@@ -71,7 +74,7 @@ class PackedLayer(CacheLayerMixin):
         self.chunks.append((self.kq.quantize(self.res_k[..., :n, :]), self.vq.quantize(self.res_v[..., :n, :])))
         self.res_k, self.res_v = self.res_k[..., n:, :].contiguous(), self.res_v[..., n:, :].contiguous()
         if self.kq.tokenwise and self.vq.tokenwise:
-            while len(self.chunks) > 1 and self.chunks[-2][0].shape[-2] <= self.chunks[-1][0].shape[-2]:
+            while len(self.chunks) > 1 and self.chunks[-2][0].shape[-2] <= max(self.chunks[-1][0].shape[-2], MERGE_BELOW - 1):
                 (k0, v0), (k1, v1) = self.chunks[-2:]
                 self.chunks[-2:] = [(concat_tokens(k0, k1), concat_tokens(v0, v1))]
 
