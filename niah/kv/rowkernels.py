@@ -20,6 +20,7 @@ full-precision copy.  They compile at first use in a process: 0.2-0.7 s per (dec
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -87,38 +88,38 @@ def usable(t: torch.Tensor) -> bool:
 
 def rows(t: torch.Tensor) -> np.ndarray:
     """A stored tensor ``(B, H, T, ...)`` as a numpy array ``(B*H*T, ...)`` (a view where it is contiguous; fp16
-    becomes float32, which numba computes with)."""
-    t = t.reshape(-1, *t.shape[3:])
-    if t.dtype == torch.float16:
-        t = t.float()
-    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    becomes float32, which numba computes with).  Numpy, not torch, reshapes and converts: a decode step makes
+    a few of these per stored chunk, and torch's per-op overhead was most of a small chunk's read time."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         t = t.view(torch.uint8)
-    return _array(t)
+    a = _array(t)
+    a = a.reshape(-1, *a.shape[3:])
+    return a.astype(np.float32) if a.dtype == np.float16 else a
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
-    """A contiguous numpy view of ``t`` (inference only: no gradient flows through the kernels)."""
-    return t.detach().contiguous().numpy()
+    """A C-contiguous numpy view of ``t`` (inference only: no gradient flows through the kernels)."""
+    return np.ascontiguousarray(t.detach().numpy())
 
 
 def scores(decode_row, stored: tuple, q: torch.Tensor, tokens: int) -> torch.Tensor:
     """``q: (B, H, G, D)`` float32 -> ``(B, H, G, tokens)``: the query against every stored row."""
     b, h, g, d = q.shape
-    out = torch.empty(b, h, g, tokens)
-    kernels(decode_row).scores(stored, _array(q.reshape(b * h, g, d)), out.view(b * h, g, tokens).numpy())
-    return out
+    out = np.empty((b * h, g, tokens), np.float32)
+    kernels(decode_row).scores(stored, _array(q).reshape(b * h, g, d), out)
+    return torch.from_numpy(out).view(b, h, g, tokens)
 
 
 def weighted_sum(decode_row, stored: tuple, w: torch.Tensor, dim: int) -> torch.Tensor:
     """``w: (B, H, G, T)`` float32 -> ``(B, H, G, dim)``: the weighted sum of the stored rows."""
     b, h, g, t = w.shape
-    out = torch.empty(b, h, g, dim)
-    kernels(decode_row).weighted_sum(stored, _array(w.reshape(b * h, g, t)), out.view(b * h, g, dim).numpy())
-    return out
+    out = np.empty((b * h, g, dim), np.float32)
+    kernels(decode_row).weighted_sum(stored, _array(w).reshape(b * h, g, t), out)
+    return torch.from_numpy(out).view(b, h, g, dim)
 
 
 def dequantize(decode_row, stored: tuple, shape: tuple[int, ...]) -> torch.Tensor:
     """Every stored row, float32 ``shape = (B, H, T, D)``."""
-    out = torch.empty(shape)
-    kernels(decode_row).dequantize(stored, out.view(-1, shape[-1]).numpy())
-    return out
+    out = np.empty((math.prod(shape[:-1]), shape[-1]), np.float32)
+    kernels(decode_row).dequantize(stored, out)
+    return torch.from_numpy(out).view(shape)
