@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from niah.kv import rowkernels
 from niah.kv.packing import pack_bits, pack_planes, unpack_bits, unpack_planes
 from niah.kv.registry import get_method
 
@@ -51,13 +52,15 @@ def test_pack_layout_is_a_little_endian_bit_stream():
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("n", [8, 16, 24, 48, 64, 96])
-def test_bit_planes_round_trip_in_the_same_bytes(bits, n):
+def test_bit_planes_round_trip_in_the_same_bytes(bits, n, monkeypatch):
     codes = torch.randint(0, 2**bits, (2, 3, 5, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     packed = pack_planes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 5, n * bits // 8)
     assert torch.equal(unpack_planes(packed, bits, n), codes)
     if bits == 1:
         assert torch.equal(packed, pack_bits(codes, 1))
+    monkeypatch.setattr(rowkernels, "ENABLED", False)  # the torch ops, which other devices run
+    assert torch.equal(pack_planes(codes, bits), packed)
 
 
 def test_bit_plane_layout():
@@ -105,6 +108,12 @@ def test_analytical_bits():
     bits = {name: quantizer(name).analytical_bits(128) for name in METHODS}
     assert bits == {"q8_0": 8.5, "q4_0": 4.5, "fp8_e4m3": 8.0, "fp8_e5m2": 8.0, "fp4_e2m1": 4.5, "kivi2_key": 3.0,
                     "kivi2_value": 3.0, "kivi4_key": 5.0, "kivi4_value": 5.0, "sliding_window_asym3": 3.0625}
+
+
+@pytest.mark.parametrize("name", ["kivi2_key", "kivi4_key", "sliding_window_asym3"])
+def test_min_max_formats_need_head_dim_a_multiple_of_8(name):
+    with pytest.raises(ValueError, match=r"multiple of 8 .* head_dim=36"):
+        quantizer(name).quantize(randn(1, 2, 512, 36))
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "fp4_e2m1", "kivi2_value", "kivi4_value"])

@@ -85,26 +85,30 @@ class KVQuantizer(ABC):
     # dequantized copy; ``row_args`` gives the arrays it reads.  None: every read dequantizes with torch.
     decode_row = None
 
+    def decoder(self, p: Packed):
+        """The row decoder that reads ``p``: :attr:`decode_row`, unless the format compiles one per shape."""
+        return self.decode_row
+
     def row_args(self, p: Packed) -> tuple:
-        """The arrays (and constants) that :attr:`decode_row` reads, rows first."""
+        """The arrays (and constants) that :meth:`decoder` reads, rows first."""
         raise NotImplementedError(f"{self.name} has no row decoder")
 
     def reads_rows(self, p: Packed) -> bool:
         """Whether reads of ``p`` go through the row kernels: the format has a decoder and ``p`` is on the CPU
         (:func:`rowkernels.usable`)."""
-        return self.decode_row is not None and rowkernels.usable(next(iter(p.tensors.values())))
+        return self.decoder(p) is not None and rowkernels.usable(next(iter(p.tensors.values())))
 
     def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
         """``q . k`` for every stored key: ``q: (B, H, G, D)`` float32 (``G`` query heads per KV head) ->
         ``(B, H, G, T)`` float32, read row by row from the codes where :meth:`reads_rows`."""
         if self.reads_rows(p):
-            return rowkernels.scores(self.decode_row, self.row_args(p), q, p.shape[-2])
+            return rowkernels.scores(self.decoder(p), self.row_args(p), q, p.shape[-2])
         return q @ self.dequantize(p).float().transpose(-1, -2)
 
     def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
         """``sum_t w_t v_t`` over the stored values: ``w: (B, H, G, T)`` float32 -> ``(B, H, G, D)`` float32."""
         if self.reads_rows(p):
-            return rowkernels.weighted_sum(self.decode_row, self.row_args(p), w, p.shape[-1])
+            return rowkernels.weighted_sum(self.decoder(p), self.row_args(p), w, p.shape[-1])
         return w @ self.dequantize(p).float()
 
     @staticmethod
@@ -120,7 +124,7 @@ class RowDecoded(KVQuantizer):
 
     def dequantize(self, p: Packed) -> torch.Tensor:
         if self.reads_rows(p):
-            return rowkernels.dequantize(self.decode_row, self.row_args(p), p.shape).to(p.dtype)
+            return rowkernels.dequantize(self.decoder(p), self.row_args(p), p.shape).to(p.dtype)
         return self.torch_dequantize(p)
 
     @abstractmethod

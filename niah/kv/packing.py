@@ -13,8 +13,8 @@ A row of ``n`` codes is padded with zero codes to a whole number of such groups 
 8 for 1 and 3 bits, 4 for 2 bits, 2 for 4 bits, 1 for 8 bits), so it takes ``ceil(n / group) * bytes_per_group``
 bytes; :func:`unpack_bits` needs ``n`` to drop the padding.
 
-:func:`pack_planes` is a second layout, for the formats that the CPU row kernels read in SIMD lanes
-(TurboQuant): bit planes.  The ``n`` codes of a row (``n`` a multiple of 8) form runs of ``m`` codes, ``m`` the
+:func:`pack_planes` is a second layout, for the formats whose codes the CPU row kernels read in SIMD lanes
+(TurboQuant, KIVI, the sliding-window quantizer): bit planes.  The ``n`` codes of a row (``n`` a multiple of 8) form runs of ``m`` codes, ``m`` the
 largest of 32, 16 and 8 that divides ``n`` (:func:`plane_run`).  A run takes ``bits`` planes of ``m / 8`` bytes,
 plane ``k`` first; byte ``i`` of plane ``k`` holds bit ``k`` of codes ``8i .. 8i + 7`` of the run, code ``8i + s``
 at bit ``s``.  Read as a little-endian ``m``-bit integer, plane ``k`` holds bit ``k`` of code ``s`` at bit ``s``,
@@ -28,6 +28,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from . import rowkernels
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 
@@ -54,28 +56,17 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: ``packed: uint8 (..., bytes)`` -> ``codes: uint8 (..., n)``."""
+    """Inverse of :func:`pack_bits`: ``packed: uint8 (..., bytes)`` -> ``codes: uint8 (..., n)``.  Each group's
+    bytes form one int32 word, and code ``s`` of the group is ``word >> (s * bits) & mask``."""
     group, nbytes = _layout(bits)
     if packed.shape[-1] != -(-n // group) * nbytes:
         raise ValueError(f"{packed.shape[-1]} bytes do not hold {n} codes of {bits} bits")
-    return unpack_groups(packed, bits).flatten(-2)[..., :n].to(torch.uint8)
-
-
-def unpack_groups(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``packed: uint8 (..., bytes)`` -> int32 codes ``(..., groups, group)`` (``group = 8`` where the row is whole
-    runs of 8 codes, else the layout's group), in plain tensor ops that
-    ``torch.compile`` fuses into its consumer: each group's bytes form one int32 word, and code ``s`` of the group
-    is ``word >> (s * bits) & mask``, one broadcast shift (a ``torch.stack`` of the ``group`` codes was
-    materialized as separate buffers by inductor, 6x slower here).  Compiled consumers should keep the
-    ``(groups, group)`` shape: flattening it first made inductor's CPU loops several times slower here."""
-    group, nbytes = _layout(bits)
-    if bits < 8 and packed.shape[-1] % bits == 0:
-        group, nbytes = 8, bits  # whole runs of 8 codes: 8 codes per word fill inductor's 8-wide vectors
     groups = packed.unflatten(-1, (-1, nbytes)).to(torch.int32)
     word = groups[..., 0]
     for i in range(1, nbytes):
         word = word | groups[..., i] << 8 * i
-    return word[..., None] >> _shifts(bits, group, word.device) & (1 << bits) - 1
+    codes = word[..., None] >> _shifts(bits, group, word.device) & (1 << bits) - 1
+    return codes.flatten(-2)[..., :n].to(torch.uint8)
 
 
 def plane_run(n: int) -> int:
@@ -89,7 +80,13 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codes: uint8 (..., n)``, ``n`` a multiple of 8, every value ``< 2**bits`` (not checked) ->
     ``uint8 (..., n * bits / 8)`` in the bit-plane layout of the module docstring."""
     _layout(bits)
-    runs = codes.unflatten(-1, (-1, plane_run(codes.shape[-1]))).unsqueeze(-2).to(torch.int32)
+    run = plane_run(codes.shape[-1])
+    if bits <= 4 and rowkernels.usable(codes):  # numba, one pass: several times faster than the ops below
+        out = torch.empty(*codes.shape[:-1], codes.shape[-1] * bits // 8, dtype=torch.uint8)
+        rows = codes.reshape(-1, codes.shape[-1]).contiguous().numpy()
+        rowkernels.plane_packer(bits, run)(rows, out.view(-1, out.shape[-1]).numpy())
+        return out
+    runs = codes.unflatten(-1, (-1, run)).unsqueeze(-2).to(torch.int32)
     planes = runs >> _shifts(1, bits, codes.device)[:, None] & 1  # (..., runs, bits, m)
     octets = planes.unflatten(-1, (-1, 8)) << _shifts(1, 8, codes.device)
     return octets.sum(-1).to(torch.uint8).flatten(-3)

@@ -81,6 +81,68 @@ def kernels(decode_row) -> RowKernels:
     return RowKernels(scores, weighted_sum, dequantize)
 
 
+@njit(**DECODER)
+def plane_words(codes, r, run_index, bits, run):
+    """For decoders of :func:`niah.kv.packing.pack_planes` codes (``bits`` <= 4, runs of ``run`` codes): the
+    planes of run ``run_index`` of row ``r`` as four uint32 words, bit ``j`` of word ``k`` being bit ``k`` of
+    lane ``j``'s code (words past ``bits`` are 0)."""
+    size = run // 8  # bytes per plane
+    first = run_index * bits * size
+    w0 = _le_word(codes, r, first, size)
+    w1 = _le_word(codes, r, first + size, size) if bits > 1 else np.uint32(0)
+    w2 = _le_word(codes, r, first + 2 * size, size) if bits > 2 else np.uint32(0)
+    w3 = _le_word(codes, r, first + 3 * size, size) if bits > 3 else np.uint32(0)
+    return w0, w1, w2, w3
+
+
+@njit(**DECODER)
+def store_planes(out, r, run_index, bits, run, w0, w1, w2, w3):
+    """The inverse of :func:`plane_words`: write the ``bits`` plane words of run ``run_index`` into row ``r`` of
+    ``out`` (uint8)."""
+    size = run // 8
+    first = run_index * bits * size
+    for i in range(size):
+        shift = np.uint32(8 * i)
+        out[r, first + i] = w0 >> shift & np.uint32(255)
+        if bits > 1:
+            out[r, first + size + i] = w1 >> shift & np.uint32(255)
+        if bits > 2:
+            out[r, first + 2 * size + i] = w2 >> shift & np.uint32(255)
+        if bits > 3:
+            out[r, first + 3 * size + i] = w3 >> shift & np.uint32(255)
+
+
+@functools.lru_cache(maxsize=None)
+def plane_packer(bits: int, run: int):
+    """``pack(codes, out)``: uint8 codes ``(R, n)`` -> ``out: uint8 (R, n * bits / 8)`` in the bit planes of
+    :func:`niah.kv.packing.pack_planes` (``bits`` <= 4 and ``run`` compile-time constants, so that the lanes
+    vectorize)."""
+
+    @njit(boundscheck=False, nogil=True)
+    def pack(codes, out):
+        for r in range(codes.shape[0]):
+            for block in range(codes.shape[1] // run):
+                w0, w1, w2, w3 = np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
+                for j in range(run):  # one pass sets a bit in every plane
+                    c, lane = np.uint32(codes[r, block * run + j]), np.uint32(j)
+                    w0 |= (c & np.uint32(1)) << lane
+                    w1 |= (c >> np.uint32(1) & np.uint32(1)) << lane
+                    w2 |= (c >> np.uint32(2) & np.uint32(1)) << lane
+                    w3 |= (c >> np.uint32(3) & np.uint32(1)) << lane
+                store_planes(out, r, block, bits, run, w0, w1, w2, w3)
+
+    return pack
+
+
+@njit(**DECODER)
+def _le_word(codes, r, first, count):
+    """Bytes ``first .. first + count - 1`` of row ``r`` as a little-endian uint32."""
+    word = np.uint32(0)
+    for i in range(count):
+        word |= np.uint32(codes[r, first + i]) << np.uint32(8 * i)
+    return word
+
+
 def usable(t: torch.Tensor) -> bool:
     """Whether the kernels may read ``t``: it is on the CPU and :data:`ENABLED` is set."""
     return ENABLED and t.device.type == "cpu"

@@ -240,7 +240,6 @@ def _row_encoder(bits: int, run: int):
 
     @njit(boundscheck=False, nogil=True)
     def encode(y, norm, mids, out):
-        size = run // 8  # bytes per plane
         m0, m1, m2, m3, m4, m5, m6, m7 = mids[0], mids[1], mids[2], mids[3], mids[4], mids[5], mids[6], mids[7]
         m8, m9, m10, m11, m12, m13, m14 = mids[8], mids[9], mids[10], mids[11], mids[12], mids[13], mids[14]
         for r in range(y.shape[0]):
@@ -272,15 +271,7 @@ def _row_encoder(bits: int, run: int):
                     w1 |= np.uint32(b1) << np.uint32(j)
                     w2 |= np.uint32(b2) << np.uint32(j)
                     w3 |= np.uint32(b3) << np.uint32(j)
-                first = block * bits * size
-                for i in range(size):
-                    shift = np.uint32(8 * i)
-                    out[r, first + i] = w0 >> shift & np.uint32(255)
-                    out[r, first + size + i] = w1 >> shift & np.uint32(255)
-                    if bits > 2:
-                        out[r, first + 2 * size + i] = w2 >> shift & np.uint32(255)
-                    if bits > 3:
-                        out[r, first + 3 * size + i] = w3 >> shift & np.uint32(255)
+                rowkernels.store_planes(out, r, block, bits, run, w0, w1, w2, w3)
 
     return encode
 
@@ -329,13 +320,8 @@ def _planes_row(bits: int, run: int):
         # loaded once: ``out`` might alias these for all numba knows
         s, c0, c1, c2, c3, c4, c5, c6, c7 = scale[r], c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
         c8, c9, c10, c11, c12, c13, c14, c15 = c[8], c[9], c[10], c[11], c[12], c[13], c[14], c[15]
-        size = run // 8  # bytes per plane
-        for block in range(codes.shape[1] // (bits * size)):
-            first = block * bits * size
-            w0 = _plane(codes, r, first, size)
-            w1 = _plane(codes, r, first + size, size) if bits > 1 else np.uint32(0)
-            w2 = _plane(codes, r, first + 2 * size, size) if bits > 2 else np.uint32(0)
-            w3 = _plane(codes, r, first + 3 * size, size) if bits > 3 else np.uint32(0)
+        for block in range(codes.shape[1] * 8 // (bits * run)):
+            w0, w1, w2, w3 = rowkernels.plane_words(codes, r, block, bits, run)
             for j in range(lanes):
                 b0 = (w0 >> np.uint32(j)) & np.uint32(1)
                 b1 = (w1 >> np.uint32(j)) & np.uint32(1)
@@ -351,15 +337,6 @@ def _planes_row(bits: int, run: int):
                 out[block * run + j] = v * s
 
     return decode_row
-
-
-@njit(**rowkernels.DECODER)
-def _plane(codes, r, first, count):
-    """Bytes ``first .. first + count - 1`` of row ``r`` as a little-endian uint32."""
-    word = np.uint32(0)
-    for i in range(count):
-        word |= np.uint32(codes[r, first + i]) << np.uint32(8 * i)
-    return word
 
 
 class _CodeBlock(NamedTuple):
