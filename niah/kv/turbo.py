@@ -197,15 +197,6 @@ def _norm16(norm: torch.Tensor) -> torch.Tensor:
 _TINY = torch.finfo(torch.float32).tiny  # the divisor for a zero vector, which then gets ``y = 0``
 
 
-def _rotate_normalized(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, norm)``: ``y = Pi (x / ||x||)`` (float32, ``(B,H,T,dim)``) and ``norm`` ``(B,H,T,1)``.
-
-    Rotates first and divides after (the same numbers, one pass fewer).
-    """
-    y, norm = _rotate(x, rot)
-    return y.div_(norm.clamp_min(_TINY)), norm
-
-
 def _rotate(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Pi x, ||x||)``: float32 ``(B,H,T,dim)`` and ``(B,H,T,1)``."""
     x = x.float()
@@ -214,21 +205,26 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _mse_encode(x: torch.Tensor, rot: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed codes, norm)`` of ``TurboQuant_mse``: the nearest centroids of ``Pi (x / ||x||)``, packed by
-    :func:`pack_planes`, and ``||x||`` ``(B,H,T,1)``.  On the CPU, one numba pass divides, codes and packs."""
-    book = _codebook(x.shape[-1], bits, x.device)
-    if not rowkernels.usable(x):
-        y, norm = _rotate_normalized(x, rot)
-        return pack_planes(book.encode(y), bits), norm
+    :func:`pack_planes`, and ``||x||`` ``(B,H,T,1)``."""
     y, norm = _rotate(x, rot)
-    packed = torch.empty(*x.shape[:-1], x.shape[-1] * bits // 8, dtype=torch.uint8)
-    encode = _row_encoder(bits, plane_run(x.shape[-1]))
+    return _encode(y, norm, bits), norm
+
+
+def _encode(y: torch.Tensor, norm: torch.Tensor, bits: int) -> torch.Tensor:
+    """The packed nearest-centroid codes of ``y / norm`` (``y``: rotated rows, left unchanged).  On the CPU, one
+    numba pass divides, codes and packs (:func:`_row_encoder`)."""
+    book = _codebook(y.shape[-1], bits, y.device)
+    if not rowkernels.usable(y):
+        return pack_planes(book.encode(y / norm.clamp_min(_TINY)), bits)
+    packed = torch.empty(*y.shape[:-1], y.shape[-1] * bits // 8, dtype=torch.uint8)
+    encode = _row_encoder(bits, plane_run(y.shape[-1]))
     encode(rowkernels.rows(y), rowkernels.rows(norm), book.mids15, packed.view(-1, packed.shape[-1]).numpy())
-    return packed, norm
+    return packed
 
 
 @functools.lru_cache(maxsize=None)
 def _row_encoder(bits: int, run: int):
-    """The CPU encoder of ``bits``-bit codes (2 to 4) in runs of ``run``, compile-time constants as in
+    """The CPU encoder of ``bits``-bit codes (1 to 4) in runs of ``run``, compile-time constants as in
     :func:`_planes_row`: ``encode(y, norm, mids, out)``, ``y: (R, d)`` rotated rows, ``norm: (R, 1)``, ``mids``
     the codebook's midpoints padded to 15 -> ``out: uint8 (R, d * bits / 8)`` in the bit planes of
     :func:`pack_planes`.  The code of ``u = y / norm`` is the number of midpoints below it (``torch.bucketize``:
@@ -250,8 +246,10 @@ def _row_encoder(bits: int, run: int):
                     u = y[r, block * run + j] / n
                     # bottom-up trees of selects, each level in its own temporaries: written as one nested
                     # expression, LLVM turned the 4-bit tree into branches (20x slower)
-                    b2 = b3 = False
-                    if bits == 2:
+                    b1 = b2 = b3 = False
+                    if bits == 1:
+                        b0 = u > m0
+                    elif bits == 2:
                         b1 = u > m1
                         b0 = u > (m2 if b1 else m0)
                     elif bits == 3:
@@ -444,14 +442,15 @@ class TurboQuantProd(_Turbo):
         self._check(x)
         b, h, t, d = x.shape
         mb = self.bits - 1
-        book = _codebook(d, mb, x.device)
-        y, norm = _rotate_normalized(x, self._matrices("rot", d, h, x.device))
-        codes = book.encode(y)
-        r = y.sub_(book.decode(codes))  # residual in the rotated basis (same norm as u - u_hat_mse)
+        rot = self._matrices("rot", d, h, x.device)
+        y, norm = _rotate(x, rot)
+        codes = _encode(y, norm, mb)
+        u_hat = _CodeBlock.mse(codes, torch.ones_like(norm.squeeze(-1)), mb, rot).rotated()  # c(codes): Pi basis
+        r = y.div_(norm.clamp_min(_TINY)).sub_(u_hat)  # u - u_hat in the rotated basis (the norm of u - u_hat_mse)
         rnorm = torch.linalg.vector_norm(r, dim=-1)
         sketch = torch.matmul(r, self._matrices("qjl", d, h, x.device).transpose(-1, -2))  # rows of (S r)^T
         tensors = {
-            "codes": pack_planes(codes, mb),
+            "codes": codes,
             "norm": _norm16(norm),
             "signs": pack_planes((sketch >= 0).to(torch.uint8), 1),
             "rnorm": rnorm.to(torch.float16),
