@@ -1,5 +1,6 @@
 """The numba row kernels (CPU) must give what each format's torch path gives."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +72,12 @@ def test_inputs_that_require_grad_are_read_without_error():
     p = q.quantize(_kv())
     query = torch.randn(2, 3, 1, 64, requires_grad=True)
     assert q.scores(p, query).shape == (2, 3, 1, 37)
+
+
+@pytest.mark.parametrize("tokens", [5, rowkernels._TORCH_HALF_FROM])  # numpy's cast, then torch's
+def test_rows_convert_fp16_exactly(tokens):
+    t = torch.randn(1, 3, tokens, 2, generator=torch.Generator().manual_seed(0)).half()
+    t[0, 0, 0, 0] = -0.0
+    a = rowkernels.rows(t)
+    assert a.dtype == np.float32 and a.shape == (3 * tokens, 2)
+    assert torch.equal(torch.from_numpy(a).view(torch.int32), t.float().reshape(-1, 2).view(torch.int32))
