@@ -8,8 +8,8 @@ stored, as llama.cpp does, so even the question's own tokens are read back quant
 formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter) or
 shorter than :data:`MERGE_BELOW` tokens.  ``n`` decode steps leave ``O(log n)`` chunks, each token is copied
 ``O(log n)`` times plus at most :data:`MERGE_BELOW` tokens' codes per step, and a step after a long prefill reads
-two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed ~0.1 ms of Python per
-read, more than copying a few hundred tokens' codes.
+two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed ~0.05-0.1 ms of Python
+per read (one-off timings here), more than copying a few hundred tokens' codes.
 
 Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
 ``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the stored chunks one by one
@@ -33,8 +33,8 @@ from .attend import FUSE_MIN_TOKENS, decode_attention
 from .base import concat_tokens
 from .registry import KVMethod
 
-FUSED = "niah_packed"
-MERGE_BELOW = 256  # tokens: a chunk shorter than this absorbs the next one  # the attention implementation that reads PackedLayer codes in decode steps
+FUSED = "niah_packed"  # the attention implementation that reads PackedLayer codes in decode steps
+MERGE_BELOW = 256  # tokens: a chunk shorter than this absorbs the next one (tokenwise formats)
 
 
 class PackedLayer(CacheLayerMixin):

@@ -399,9 +399,8 @@ def _minmax_row(bits: int, run: int, channel_size: int):
         for block in range(out.shape[0] // run):
             w0, w1, w2, w3 = rowkernels.plane_words(codes, r, block, bits, run)
             for j in range(run):
-                shift = np.uint32(j)
-                code = (w0 >> shift & np.uint32(1)) | (w1 >> shift & np.uint32(1)) << np.uint32(1)
-                code |= (w2 >> shift & np.uint32(1)) << np.uint32(2) | (w3 >> shift & np.uint32(1)) << np.uint32(3)
+                b0, b1, b2, b3 = rowkernels.lane_bits(w0, w1, w2, w3, j)
+                code = b0 | b1 << np.uint32(1) | b2 << np.uint32(2) | b3 << np.uint32(3)
                 out[block * run + j] = np.float32(code)
         if channel_size == 1:
             for j in range(out.shape[0]):

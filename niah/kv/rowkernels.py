@@ -103,6 +103,13 @@ def plane_words(codes, r, run_index, bits, run):
 
 
 @njit(**DECODER)
+def lane_bits(w0, w1, w2, w3, lane):
+    """Bits 0-3 of lane ``lane``'s code, from the words of :func:`plane_words` (uint32 0 or 1 each)."""
+    j = np.uint32(lane)
+    return w0 >> j & np.uint32(1), w1 >> j & np.uint32(1), w2 >> j & np.uint32(1), w3 >> j & np.uint32(1)
+
+
+@njit(**DECODER)
 def store_planes(out, r, run_index, bits, run, w0, w1, w2, w3):
     """The inverse of :func:`plane_words`: write the ``bits`` plane words of run ``run_index`` into row ``r`` of
     ``out`` (uint8)."""
@@ -155,12 +162,15 @@ def usable(t: torch.Tensor) -> bool:
     return ENABLED and t.device.type == "cpu"
 
 
+_TORCH_HALF_FROM = 4096  # fp16 arrays of at least this many values go to float32 through torch (see rows)
+
+
 def rows(t: torch.Tensor) -> np.ndarray:
     """A stored tensor ``(B, H, T, ...)`` as a numpy array ``(B*H*T, ...)`` (a view where it is contiguous; fp16
     becomes float32, which numba computes with).  Numpy reshapes: a decode step makes a few of these per stored
     chunk, and torch's per-op overhead was most of a small chunk's read time.  fp16 goes to float32 through
-    numpy below :data:`_TORCH_HALF_FROM` values (2 us against torch's 18) and through torch above it (for
-    98K values, 25 us against numpy's 300: torch's cast is vectorized)."""
+    numpy below :data:`_TORCH_HALF_FROM` values and through torch above it (one-off timings here: 2 us against
+    torch's 18 for a few values; 25 us against numpy's 300 for 98K, where torch's cast is vectorized)."""
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         t = t.view(torch.uint8)
     elif t.dtype == torch.float16 and t.numel() >= _TORCH_HALF_FROM:
@@ -168,9 +178,6 @@ def rows(t: torch.Tensor) -> np.ndarray:
     a = _array(t)
     a = a.reshape(-1, *a.shape[3:])
     return a.astype(np.float32) if a.dtype == np.float16 else a
-
-
-_TORCH_HALF_FROM = 4096
 
 
 def _array(t: torch.Tensor) -> np.ndarray:

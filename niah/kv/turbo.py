@@ -131,8 +131,7 @@ class _Codebook:
         self.centroids = torch.tensor(c, dtype=torch.float32, device=device)
         self.mids = torch.tensor(mids, dtype=torch.float32, device=device)
         self.mid_list = [float(m) for m in self.mids]  # the float32 values, as python scalars
-        self.mids15 = np.zeros(15, np.float32)  # padded for the CPU encoder (_row_encoder)
-        self.mids15[: len(mids)] = self.mids.cpu().numpy()
+        self.mids15 = _padded(self.mids.cpu().numpy(), 15)  # for the CPU encoder (_row_encoder)
         if bits > 2:
             m32 = self.mids.double().cpu().numpy()
             cells = max(256, int(math.ceil(2.0 / (float(np.min(np.diff(m32))) / 2))))
@@ -169,6 +168,14 @@ class _Codebook:
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Centroid values (float32) of unpacked codes."""
         return torch.index_select(self.centroids, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+
+
+def _padded(values: np.ndarray, size: int) -> np.ndarray:
+    """float32 ``values`` followed by zeros up to ``size``: the numba coders read a fixed number of entries
+    (the 15 midpoints or 16 centroids of 4 bits) whatever the bit width."""
+    out = np.zeros(size, np.float32)
+    out[: len(values)] = values
+    return out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -306,10 +313,10 @@ def _planes_row(bits: int, run: int):
     """The row decoder (:mod:`niah.kv.rowkernels`) of ``bits``-bit codes in the bit planes of :func:`pack_planes`,
     runs of ``run`` codes: row ``r`` is ``scale[r] * c(codes)``.  ``stored = (codes, scale, table, run)``, the
     centroids padded to a 16-entry ``table``.  Each lane of a run shifts its bit out of every plane and picks its
-    centroid with a tree of selects on those bits; LLVM vectorizes both, 2-4x faster than unpacking 8 codes per
-    word and loading each centroid, in one-off timings here.  ``bits`` and ``run`` are compile-time constants
-    (a run-time trip count made the loop 2-3x slower), except for one bit: LLVM unrolls a constant 32-lane loop
-    of one select into scalar code, so that loop reads ``run`` from ``stored`` (2.5x faster)."""
+    centroid with a tree of selects on those bits; LLVM vectorizes both.  ``bits`` and ``run`` are compile-time
+    constants, except for one bit: LLVM unrolls a constant 32-lane loop of one select into scalar code, so that
+    loop reads ``run`` from ``stored``.  One-off timings here: 2-4x faster than unpacking 8 codes per word and
+    loading each centroid; a run-time trip count for 2-4 bits 2-3x slower; for one bit 2.5x faster."""
 
     @njit(**rowkernels.DECODER)
     def decode_row(stored, r, out):
@@ -321,10 +328,7 @@ def _planes_row(bits: int, run: int):
         for block in range(codes.shape[1] * 8 // (bits * run)):
             w0, w1, w2, w3 = rowkernels.plane_words(codes, r, block, bits, run)
             for j in range(lanes):
-                b0 = (w0 >> np.uint32(j)) & np.uint32(1)
-                b1 = (w1 >> np.uint32(j)) & np.uint32(1)
-                b2 = (w2 >> np.uint32(j)) & np.uint32(1)
-                b3 = (w3 >> np.uint32(j)) & np.uint32(1)
+                b0, b1, b2, b3 = rowkernels.lane_bits(w0, w1, w2, w3, j)
                 # bottom-up, one level of selects at a time (see _row_encoder)
                 p0, p1, p2, p3 = (c1 if b0 else c0), (c3 if b0 else c2), (c5 if b0 else c4), (c7 if b0 else c6)
                 p4, p5, p6, p7 = (c9 if b0 else c8), (c11 if b0 else c10), (c13 if b0 else c12), (c15 if b0 else c14)
@@ -356,8 +360,7 @@ class _CodeBlock(NamedTuple):
         return cls(codes, norm, _codebook(rot.shape[-1], bits, codes.device).centroids, bits, rot)
 
     def _row_args(self) -> tuple:
-        table = np.zeros(16, np.float32)
-        table[: len(self.centroids)] = self.centroids.numpy()
+        table = _padded(self.centroids.numpy(), 16)
         return rowkernels.rows(self.codes), rowkernels.rows(self.scale), table, plane_run(self.rot.shape[-1])
 
     def _decoder(self):
