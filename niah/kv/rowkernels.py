@@ -110,6 +110,18 @@ def lane_bits(w0, w1, w2, w3, lane):
 
 
 @njit(**DECODER)
+def nibble(w0, w1, w2, w3, index):
+    """4-bit code ``index`` (0-31, low nibble of each byte first) of the 16 bytes held in four little-endian uint32
+    words (a 32-value block of ``pack_bits(codes, 4)`` or ggml's q4_0, read by ``plane_words(codes, r, block, 4,
+    32)``), as uint32.  Lane-dependent selects and shifts, no table: a 32-lane loop over a block vectorizes."""
+    i = np.uint32(index)
+    lo = w1 if i & np.uint32(8) else w0
+    hi = w3 if i & np.uint32(8) else w2
+    word = hi if i & np.uint32(16) else lo
+    return word >> (i & np.uint32(7)) * np.uint32(4) & np.uint32(15)
+
+
+@njit(**DECODER)
 def store_planes(out, r, run_index, bits, run, w0, w1, w2, w3):
     """The inverse of :func:`plane_words`: write the ``bits`` plane words of run ``run_index`` into row ``r`` of
     ``out`` (uint8)."""
