@@ -136,14 +136,29 @@ class Q8_0(_HeadBlocks):
     def torch_dequantize(self, p: Packed) -> torch.Tensor:
         return self._scaled(_q8_values(p.tensors["codes"]), p)
 
+    def decoder(self, p: Packed):
+        return _q8_0_block_pairs if p.shape[-1] % (2 * BLOCK) == 0 else self.decode_row
+
     @staticmethod
     @njit(**rowkernels.DECODER)
     def decode_row(stored, r, out):
         codes, scales = stored
         for blk in range(scales.shape[1]):
             d = scales[r, blk]  # loaded once per block: ``out`` might alias ``scales`` for all numba knows
-            for i in range(blk * 32, blk * 32 + 32):
+            for i in range(blk * 32, blk * 32 + 32):  # unrolled into scalar code (see rowkernels)
                 out[i] = codes[r, i] * d
+
+
+@njit(**rowkernels.DECODER)
+def _q8_0_block_pairs(stored, r, out):
+    """:meth:`Q8_0.decode_row` for an even number of blocks per row: one loop of 64 lanes per two blocks, each
+    lane picking its block's scale, which LLVM vectorizes (a 32-value loop per block it unrolls into scalars).
+    One-off timing here, scores over 16K x 3 rows of d = 64: 2.6 ms against 1.0 for this."""
+    codes, scales = stored
+    for pair in range(scales.shape[1] // 2):
+        d0, d1 = scales[r, 2 * pair], scales[r, 2 * pair + 1]
+        for i in range(64):
+            out[64 * pair + i] = codes[r, 64 * pair + i] * (d1 if i & 32 else d0)
 
 
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
