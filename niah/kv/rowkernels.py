@@ -110,6 +110,20 @@ def lane_bits(w0, w1, w2, w3, lane):
 
 
 @njit(**DECODER)
+def set_lane_bits(w0, w1, w2, w3, b0, b1, b2, b3, lane):
+    """The inverse of :func:`lane_bits`: the words with bit ``lane`` set to ``b0 .. b3`` (each 0 or 1, clear in
+    the words before).  Every result is cast back to uint32: numba widens integer arithmetic to 64 bits, which
+    made LLVM vectorize the encoders' lanes 4 at a time instead of 8 (1.2x slower in a one-off timing)."""
+    j = np.uint32(lane)
+    return (
+        np.uint32(w0 | np.uint32(np.uint32(b0) << j)),
+        np.uint32(w1 | np.uint32(np.uint32(b1) << j)),
+        np.uint32(w2 | np.uint32(np.uint32(b2) << j)),
+        np.uint32(w3 | np.uint32(np.uint32(b3) << j)),
+    )
+
+
+@njit(**DECODER)
 def nibble(w0, w1, w2, w3, index):
     """4-bit code ``index`` (0-31, low nibble of each byte first) of the 16 bytes held in four little-endian uint32
     words (a 32-value block of ``pack_bits(codes, 4)`` or ggml's q4_0, read by ``plane_words(codes, r, block, 4,
@@ -150,11 +164,8 @@ def plane_packer(bits: int, run: int):
             for block in range(codes.shape[1] // run):
                 w0, w1, w2, w3 = np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
                 for j in range(run):  # one pass sets a bit in every plane
-                    c, lane = np.uint32(codes[r, block * run + j]), np.uint32(j)
-                    w0 |= (c & np.uint32(1)) << lane
-                    w1 |= (c >> np.uint32(1) & np.uint32(1)) << lane
-                    w2 |= (c >> np.uint32(2) & np.uint32(1)) << lane
-                    w3 |= (c >> np.uint32(3) & np.uint32(1)) << lane
+                    c = np.uint32(codes[r, block * run + j])
+                    w0, w1, w2, w3 = set_lane_bits(w0, w1, w2, w3, c & 1, c >> 1 & 1, c >> 2 & 1, c >> 3 & 1, j)
                 store_planes(out, r, block, bits, run, w0, w1, w2, w3)
 
     return pack

@@ -272,10 +272,7 @@ def _row_encoder(bits: int, run: int):
                         t0, t1, t2, t3 = (m2 if b1 else m0), (m6 if b1 else m4), (m10 if b1 else m8), (m14 if b1 else m12)
                         t01, t23 = (t1 if b2 else t0), (t3 if b2 else t2)
                         b0 = u > (t23 if b3 else t01)
-                    w0 |= np.uint32(b0) << np.uint32(j)
-                    w1 |= np.uint32(b1) << np.uint32(j)
-                    w2 |= np.uint32(b2) << np.uint32(j)
-                    w3 |= np.uint32(b3) << np.uint32(j)
+                    w0, w1, w2, w3 = rowkernels.set_lane_bits(w0, w1, w2, w3, b0, b1, b2, b3, j)
                 rowkernels.store_planes(out, r, block, bits, run, w0, w1, w2, w3)
 
     return encode
