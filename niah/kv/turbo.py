@@ -212,9 +212,20 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _mse_encode(x: torch.Tensor, rot: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed codes, norm)`` of ``TurboQuant_mse``: the nearest centroids of ``Pi (x / ||x||)``, packed by
-    :func:`pack_planes`, and ``||x||`` ``(B,H,T,1)``."""
-    y, norm = _rotate(x, rot)
-    return _encode(y, norm, bits), norm
+    :func:`pack_planes`, and ``||x||`` ``(B,H,T,1)``.  On the CPU, one numba pass over ``x``
+    (:func:`_rotate_encoder`)."""
+    if not rowkernels.usable(x):
+        y, norm = _rotate(x, rot)
+        return _encode(y, norm, bits), norm
+    x = x.float()
+    b, h, t, d = x.shape
+    norm = torch.empty(b, h, t, 1)
+    packed = torch.empty(b, h, t, d * bits // 8, dtype=torch.uint8)
+    rotate_encode = _rotate_encoder(bits, plane_run(d))
+    rot_t = rot.transpose(-1, -2).contiguous().numpy()
+    book = _codebook(d, bits, x.device)
+    rotate_encode(rowkernels.rows(x), rot_t, t, book.mids15, norm.view(-1, 1).numpy(), packed.view(-1, packed.shape[-1]).numpy())
+    return packed, norm
 
 
 def _encode(y: torch.Tensor, norm: torch.Tensor, bits: int) -> torch.Tensor:
@@ -276,6 +287,46 @@ def _row_encoder(bits: int, run: int):
                 rowkernels.store_planes(out, r, block, bits, run, w0, w1, w2, w3)
 
     return encode
+
+
+_TILE = 1024  # rows per tile of _rotate_encoder: a 64-dim tile of x and its rotation take 0.5 MB (L2 holds 1.25 here)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotate_encoder(bits: int, run: int):
+    """The CPU path of :func:`_mse_encode`: ``rotate_encode(x, rot_t, tokens, mids, norm, out)``, ``x: (R, d)``
+    float32 rows, ``tokens`` per (batch, head), ``rot_t: (H, d, d)`` the transposed rotations -> ``norm: (R, 1)``
+    and ``out`` as in :func:`_row_encoder`.  Per tile of :data:`_TILE` rows of one head, BLAS rotates the tile
+    (``np.dot``, scipy's sgemm), and the norms and codes are computed while it is in cache, instead of three passes
+    over full-size tensors.  The norms are float32 sums in numba's order (:func:`_sum_squares`): they can differ
+    from torch's ``vector_norm`` in the last bit, which can move a code only where ``y / norm`` ties a midpoint.
+    One-off paired timing here, 16K x 3 x 64 at 3 bits: 6.4 ms against 9.0 for torch's matmul and norm followed
+    by :func:`_row_encoder`."""
+    encode = _row_encoder(bits, run)
+
+    @njit(nogil=True)
+    def rotate_encode(x, rot_t, tokens, mids, norm, out):
+        y = np.empty((_TILE, x.shape[1]), np.float32)
+        for first in range(0, x.shape[0], tokens):  # the rows of one (batch, head)
+            head = first // tokens % rot_t.shape[0]
+            for start in range(first, first + tokens, _TILE):
+                n = min(_TILE, first + tokens - start)
+                np.dot(x[start:start + n], rot_t[head], y[:n])
+                for r in range(start, start + n):
+                    norm[r, 0] = np.sqrt(_sum_squares(x, r))
+                encode(y[:n], norm[start:start + n], mids, out[start:start + n])
+
+    return rotate_encode
+
+
+@njit(fastmath={"reassoc", "nsz"}, boundscheck=False, nogil=True)
+def _sum_squares(x, r):
+    """``sum_j x[r, j]^2`` in float32, vectorized (reassociated).  Called, not inlined by numba: LLVM inlines it
+    and keeps its fast-math flags, while numba's own inlining would compile it under the caller's (none)."""
+    acc = np.float32(0.0)
+    for j in range(x.shape[1]):
+        acc += x[r, j] * x[r, j]
+    return acc
 
 
 @dataclass
