@@ -53,6 +53,13 @@ def test_block_formats_read_odd_and_even_block_counts(method, head_dim, monkeypa
     assert torch.equal(q.dequantize(p), _torch_path(monkeypatch, lambda: q.dequantize(p)))
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 128])  # 1-bit codes: two 32-code runs per loop where d % 64 == 0
+def test_one_bit_codes_read_at_any_head_dim(head_dim, monkeypatch):
+    q = get_method("turbo2_prod").key  # a 1-bit MSE stage and the 1-bit QJL sketch
+    p = q.quantize(torch.randn(1, 2, 5, head_dim, generator=torch.Generator().manual_seed(5)))
+    assert torch.equal(q.dequantize(p), _torch_path(monkeypatch, lambda: q.dequantize(p)))
+
+
 @pytest.mark.parametrize("method", ROWS)
 def test_row_kernel_reads_never_dequantize(method, monkeypatch):
     q = get_method(method).key

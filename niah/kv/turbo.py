@@ -389,6 +389,21 @@ def _planes_row(bits: int, run: int):
     return decode_row
 
 
+@njit(**rowkernels.DECODER)
+def _one_bit_pairs_row(stored, r, out):
+    """``_planes_row(1, 32)`` for rows of a multiple of 64 codes: one loop of 64 lanes per two runs, each lane
+    picking its run's word, which LLVM vectorizes (a 32-lane loop of one select it unrolls into scalars).
+    One-off timing here, QJL scores over 16K x 3 rows of d = 64: 1.0 ms against 1.5."""
+    codes, scale, c, _ = stored
+    s, c0, c1 = scale[r], c[0], c[1]
+    for pair in range(codes.shape[1] // 8):
+        w0 = rowkernels.plane_words(codes, r, 2 * pair, 1, 32)[0]
+        w1 = rowkernels.plane_words(codes, r, 2 * pair + 1, 1, 32)[0]
+        for j in range(64):
+            bit = (w1 if j & 32 else w0) >> np.uint32(j & 31) & np.uint32(1)
+            out[64 * pair + j] = (c1 if bit else c0) * s
+
+
 class _CodeBlock(NamedTuple):
     """Stored vectors of the form ``scale * Pi^T c(codes)``, and the reads of them.  ``TurboQuant_mse`` is one
     (``scale = ||x||``, Lloyd-Max centroids, ``Pi`` the rotation); ``TurboQuant_prod`` adds a second, its QJL
@@ -412,7 +427,8 @@ class _CodeBlock(NamedTuple):
         return rowkernels.rows(self.codes), rowkernels.rows(self.scale), table, plane_run(self.rot.shape[-1])
 
     def _decoder(self):
-        return _planes_row(self.bits, plane_run(self.rot.shape[-1]))
+        dim = self.rot.shape[-1]
+        return _one_bit_pairs_row if self.bits == 1 and dim % 64 == 0 else _planes_row(self.bits, plane_run(dim))
 
     def rotated(self) -> torch.Tensor:
         """``scale * c(codes)``, the stored vectors in the ``Pi`` basis: float32 ``(B, H, T, dim)``.  With torch,
