@@ -205,26 +205,27 @@ _TINY = torch.finfo(torch.float32).tiny  # the divisor for a zero vector, which 
 
 
 def _rotate(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Pi x, ||x||)``: float32 ``(B,H,T,dim)`` and ``(B,H,T,1)``."""
-    x = x.float()
-    return torch.matmul(x, rot.transpose(-1, -2)), torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    """``(y, ||y||)`` with ``y = Pi x``: float32 ``(B,H,T,k)`` and ``(B,H,T,1)``, for ``rot = Pi: (H, k, d)`` or
+    ``(B, H, k, d)`` with orthonormal rows (a rotation, ``||y|| = ||x||``; or one of the split variants' halves,
+    ``||y|| = ||x_half||``)."""
+    y = torch.matmul(x.float(), rot.transpose(-1, -2))
+    return y, torch.linalg.vector_norm(y, dim=-1, keepdim=True)
 
 
 def _mse_encode(x: torch.Tensor, rot: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed codes, norm)`` of ``TurboQuant_mse``: the nearest centroids of ``Pi (x / ||x||)``, packed by
-    :func:`pack_planes`, and ``||x||`` ``(B,H,T,1)``.  On the CPU, one numba pass over ``x``
-    (:func:`_rotate_encoder`)."""
+    """``(packed codes, norm)`` of ``TurboQuant_mse``: the nearest centroids of ``y / ||y||``, ``y = Pi x``
+    (:func:`_rotate`), packed by :func:`pack_planes`, and ``||y||`` ``(B,H,T,1)``.  On the CPU, one numba pass
+    over ``x`` (:func:`_rotate_encoder`)."""
     if not rowkernels.usable(x):
         y, norm = _rotate(x, rot)
         return _encode(y, norm, bits), norm
-    x = x.float()
     b, h, t, d = x.shape
+    k = rot.shape[-2]
     norm = torch.empty(b, h, t, 1)
-    packed = torch.empty(b, h, t, d * bits // 8, dtype=torch.uint8)
-    rotate_encode = _rotate_encoder(bits, plane_run(d))
-    rot_t = rot.transpose(-1, -2).contiguous().numpy()
-    book = _codebook(d, bits, x.device)
-    rotate_encode(rowkernels.rows(x), rot_t, t, book.mids15, norm.view(-1, 1).numpy(), packed.view(-1, packed.shape[-1]).numpy())
+    packed = torch.empty(b, h, t, k * bits // 8, dtype=torch.uint8)
+    rot_t = rot.transpose(-1, -2).reshape(-1, d, k).contiguous().numpy()
+    rotate_encode = _rotate_encoder(bits, plane_run(k))
+    rotate_encode(rowkernels.rows(x.float()), rot_t, t, _codebook(k, bits, x.device).mids15, norm.view(-1, 1).numpy(), packed.view(-1, packed.shape[-1]).numpy())
     return packed, norm
 
 
@@ -295,25 +296,25 @@ _TILE = 1024  # rows per tile of _rotate_encoder: a 64-dim tile of x and its rot
 @functools.lru_cache(maxsize=None)
 def _rotate_encoder(bits: int, run: int):
     """The CPU path of :func:`_mse_encode`: ``rotate_encode(x, rot_t, tokens, mids, norm, out)``, ``x: (R, d)``
-    float32 rows, ``tokens`` per (batch, head), ``rot_t: (H, d, d)`` the transposed rotations -> ``norm: (R, 1)``
-    and ``out`` as in :func:`_row_encoder`.  Per tile of :data:`_TILE` rows of one head, BLAS rotates the tile
-    (``np.dot``, scipy's sgemm), and the norms and codes are computed while it is in cache, instead of three passes
-    over full-size tensors.  The norms are float32 sums in numba's order (:func:`_sum_squares`): they can differ
-    from torch's ``vector_norm`` in the last bit, which can move a code only where ``y / norm`` ties a midpoint.
-    One-off paired timing here, 16K x 3 x 64 at 3 bits: 6.4 ms against 9.0 for torch's matmul and norm followed
-    by :func:`_row_encoder`."""
+    float32 rows, ``tokens`` per (batch, head), ``rot_t: (N, d, k)`` the transposed matrices ``Pi`` per head
+    (``N = H``) or per (batch, head) (``N = B H``) -> ``norm: (R, 1)`` and ``out`` as in :func:`_row_encoder`.
+    Per tile of :data:`_TILE` rows of one (batch, head), BLAS rotates the tile (``np.dot``, scipy's sgemm), and
+    the norms and codes are computed while it is in cache, instead of three passes over full-size tensors.  The
+    norms are float32 sums in numba's order (:func:`_sum_squares`): they can differ from torch's ``vector_norm``
+    in the last bit, which can move a code only where ``y / norm`` ties a midpoint.  One-off paired timing here,
+    16K x 3 x 64 at 3 bits: 6.4 ms against 9.0 for torch's matmul and norm followed by :func:`_row_encoder`."""
     encode = _row_encoder(bits, run)
 
     @njit(nogil=True)
     def rotate_encode(x, rot_t, tokens, mids, norm, out):
-        y = np.empty((_TILE, x.shape[1]), np.float32)
-        for first in range(0, x.shape[0], tokens):  # the rows of one (batch, head)
-            head = first // tokens % rot_t.shape[0]
+        y = np.empty((_TILE, rot_t.shape[2]), np.float32)
+        for first in range(0, x.shape[0], tokens):  # the rows of one (batch, head): rows are (B, H, T) flattened
+            pi_t = rot_t[first // tokens % rot_t.shape[0]]
             for start in range(first, first + tokens, _TILE):
                 n = min(_TILE, first + tokens - start)
-                np.dot(x[start:start + n], rot_t[head], y[:n])
-                for r in range(start, start + n):
-                    norm[r, 0] = np.sqrt(_sum_squares(x, r))
+                np.dot(x[start:start + n], pi_t, y[:n])
+                for i in range(n):
+                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i))
                 encode(y[:n], norm[start:start + n], mids, out[start:start + n])
 
     return rotate_encode
@@ -354,6 +355,27 @@ class _Turbo(KVQuantizer):
     def _matrices(self, kind: str, dim: int, heads: int, device: torch.device) -> torch.Tensor:
         """``(heads, dim, dim)`` float32: this layer's per-head rotations (or QJL matrices), from the seed."""
         return _layer_matrices(kind, self.seed, self.layer_idx, dim, heads, str(device))
+
+    def _blocks(self, p: Packed) -> list["_CodeBlock"]:
+        """What ``p`` stores, as code blocks whose reads add up (each maps back to the original channels)."""
+        raise NotImplementedError
+
+    def dequantize(self, p: Packed) -> torch.Tensor:
+        return _total(blk.dequantize() for blk in self._blocks(p)).to(p.dtype)
+
+    def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
+        return _total(blk.scores(q) for blk in self._blocks(p))
+
+    def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
+        return _total(blk.weighted_sum(w) for blk in self._blocks(p))
+
+
+def _total(tensors) -> torch.Tensor:
+    """The sum of freshly made tensors, added into the first in place (a single block costs no extra pass)."""
+    first, *rest = tensors
+    for t in rest:
+        first.add_(t)
+    return first
 
 
 @functools.lru_cache(maxsize=None)
@@ -412,47 +434,52 @@ class _CodeBlock(NamedTuple):
     token.  On the CPU the codes are read by the row kernels (:mod:`niah.kv.rowkernels`); elsewhere through
     :meth:`rotated`, with torch."""
 
-    codes: torch.Tensor  # uint8 (B, H, T, dim * bits / 8), packed by pack_planes
+    codes: torch.Tensor  # uint8 (B, H, T, k * bits / 8), packed by pack_planes
     scale: torch.Tensor  # (B, H, T): fp16 norms, or float32
     centroids: torch.Tensor  # float32 (2 ** bits,)
     bits: int
-    rot: torch.Tensor  # (H, dim, dim)
+    rot: torch.Tensor  # Pi: (H, k, d) or (B, H, k, d), orthonormal rows; k codes per stored vector
 
     @classmethod
     def mse(cls, codes: torch.Tensor, norm: torch.Tensor, bits: int, rot: torch.Tensor) -> "_CodeBlock":
-        return cls(codes, norm, _codebook(rot.shape[-1], bits, codes.device).centroids, bits, rot)
+        return cls(codes, norm, _codebook(rot.shape[-2], bits, codes.device).centroids, bits, rot)
+
+    @property
+    def _codes_per_vector(self) -> int:
+        return self.rot.shape[-2]
 
     def _row_args(self) -> tuple:
         table = _padded(self.centroids.numpy(), 16)
-        return rowkernels.rows(self.codes), rowkernels.rows(self.scale), table, plane_run(self.rot.shape[-1])
+        return rowkernels.rows(self.codes), rowkernels.rows(self.scale), table, plane_run(self._codes_per_vector)
 
     def _decoder(self):
-        dim = self.rot.shape[-1]
-        return _one_bit_pairs_row if self.bits == 1 and dim % 64 == 0 else _planes_row(self.bits, plane_run(dim))
+        k = self._codes_per_vector
+        return _one_bit_pairs_row if self.bits == 1 and k % 64 == 0 else _planes_row(self.bits, plane_run(k))
 
     def rotated(self) -> torch.Tensor:
-        """``scale * c(codes)``, the stored vectors in the ``Pi`` basis: float32 ``(B, H, T, dim)``.  With torch,
+        """``scale * c(codes)``, the stored vectors in the ``Pi`` basis: float32 ``(B, H, T, k)``.  With torch,
         the codes come from :func:`unpack_planes`, then a table lookup."""
-        dim = self.rot.shape[-1]
+        k = self._codes_per_vector
         if rowkernels.usable(self.codes):
-            return rowkernels.dequantize(self._decoder(), self._row_args(), (*self.codes.shape[:-1], dim))
-        codes = unpack_planes(self.codes, self.bits, dim).to(torch.int32)
+            return rowkernels.dequantize(self._decoder(), self._row_args(), (*self.codes.shape[:-1], k))
+        codes = unpack_planes(self.codes, self.bits, k).to(torch.int32)
         return self.centroids[codes] * self.scale.float()[..., None]
 
     def dequantize(self) -> torch.Tensor:
+        """``(B, H, T, d)``: ``Pi^T`` of :meth:`rotated`."""
         return torch.matmul(self.rotated(), self.rot)
 
     def scores(self, q: torch.Tensor) -> torch.Tensor:
-        """``q: (B, H, G, dim)`` -> ``(B, H, G, T)``."""
+        """``q: (B, H, G, d)`` -> ``(B, H, G, T)``."""
         q_rot = q @ self.rot.transpose(-1, -2)
         if rowkernels.usable(self.codes):
             return rowkernels.scores(self._decoder(), self._row_args(), q_rot, self.codes.shape[-2])
         return q_rot @ self.rotated().transpose(-1, -2)
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        """``w: (B, H, G, T)`` -> ``(B, H, G, dim)``."""
+        """``w: (B, H, G, T)`` -> ``(B, H, G, d)``."""
         if rowkernels.usable(self.codes):
-            summed = rowkernels.weighted_sum(self._decoder(), self._row_args(), w, self.rot.shape[-1])
+            summed = rowkernels.weighted_sum(self._decoder(), self._row_args(), w, self._codes_per_vector)
         else:
             summed = w @ self.rotated()
         return summed @ self.rot
@@ -476,18 +503,9 @@ class TurboQuantMSE(_Turbo):
         tensors = {"codes": codes, "norm": _norm16(norm)}
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _block(self, p: Packed) -> _CodeBlock:
+    def _blocks(self, p: Packed) -> list[_CodeBlock]:
         codes = p.tensors["codes"]
-        return _CodeBlock.mse(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))
-
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        return self._block(p).dequantize().to(p.dtype)
-
-    def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
-        return self._block(p).scores(q)
-
-    def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
-        return self._block(p).weighted_sum(w)
+        return [_CodeBlock.mse(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))]
 
 
 @dataclass
@@ -524,27 +542,15 @@ class TurboQuantProd(_Turbo):
         }
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _blocks(self, p: Packed) -> tuple[_CodeBlock, _CodeBlock]:
-        """The MSE stage, ``||x|| Pi^T c``, and the QJL stage, ``||x|| ||r|| sqrt(pi/2)/d Pi^T S^T sign(S r)``;
-        the second works in the ``S Pi`` basis, so its reads take and give vectors in the ``Pi`` basis."""
+    def _blocks(self, p: Packed) -> list[_CodeBlock]:
+        """The MSE stage, ``||x|| Pi^T c``, and the QJL stage, ``||x|| ||r|| sqrt(pi/2)/d (S Pi)^T sign(S r)``."""
         b, h, t, d = p.shape
         codes, norm = p.tensors["codes"], p.tensors["norm"]
-        mse = _CodeBlock.mse(codes, norm, self.bits - 1, self._matrices("rot", d, h, codes.device))
+        rot = self._matrices("rot", d, h, codes.device)
+        mse = _CodeBlock.mse(codes, norm, self.bits - 1, rot)
         qjl_scale = norm.float() * p.tensors["rnorm"].float() * (math.sqrt(math.pi / 2) / d)
-        signs = _SIGNS.to(codes.device)
-        return mse, _CodeBlock(p.tensors["signs"], qjl_scale, signs, 1, self._matrices("qjl", d, h, codes.device))
-
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        mse, qjl = self._blocks(p)
-        return (mse.dequantize() + qjl.dequantize() @ mse.rot).to(p.dtype)
-
-    def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
-        mse, qjl = self._blocks(p)
-        return mse.scores(q) + qjl.scores(q @ mse.rot.transpose(-1, -2))
-
-    def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
-        mse, qjl = self._blocks(p)
-        return mse.weighted_sum(w) + qjl.weighted_sum(w) @ mse.rot
+        sketch = self._matrices("qjl", d, h, codes.device) @ rot  # S Pi: the sketch taken of the original vector
+        return [mse, _CodeBlock(p.tensors["signs"], qjl_scale, _SIGNS.to(codes.device), 1, sketch)]
 
 
 _SIGNS = torch.tensor([-1.0, 1.0])  # the values of QJL sign bits 0 and 1
@@ -568,54 +574,37 @@ class TurboQuantSplit(_Turbo):
                 f"codes pack into whole bytes); got head_dim={head_dim}"
             )
 
-    @staticmethod
-    def _perm(mask: torch.Tensor) -> torch.Tensor:
-        """Channel order: outliers (mask 1) first, then the rest, each ascending.  ``(B, H, d)`` int64."""
-        return torch.argsort(1 - mask.to(torch.int8), dim=-1, stable=True)
+    def _halves(self, mask: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
+        """``[(part, bits, Pi)]`` of the outlier half (``"hi"``) and the regular half (``"lo"``) for ``mask: (B, H,
+        d)`` (1 on outlier channels).  ``Pi: (B, H, d/2, d)`` is the half's own ``d/2``-dim rotation placed in the
+        columns of its channels (ascending): ``Pi x`` rotates that half of ``x`` and ``Pi^T`` puts it back in its
+        channels, so no read gathers or scatters channels."""
+        b, h, d = mask.shape
+        k = d // 2
+        order = torch.argsort(1 - mask.to(torch.int8), dim=-1, stable=True)  # outliers first, each half ascending
+        halves = []
+        for part, bits, channels in (("hi", self.bits_hi, order[..., :k]), ("lo", self.bits_lo, order[..., k:])):
+            rot = self._matrices(f"rot_{part}", k, h, mask.device).expand(b, h, k, k)
+            pi = torch.zeros(b, h, k, d, device=mask.device).scatter_(-1, channels.unsqueeze(-2).expand(b, h, k, k), rot)
+            halves.append((part, bits, pi))
+        return halves
 
     def quantize(self, x: torch.Tensor) -> Packed:
         self._check(x)
         b, h, t, d = x.shape
-        k = d // 2
-        xf = x.float()
-        ms = xf.square().mean(dim=-2)  # (B, H, d): mean square over the block's tokens (same order as RMS)
-        top = torch.argsort(ms, dim=-1, descending=True, stable=True)[..., :k]
+        ms = x.float().square().mean(dim=-2)  # (B, H, d): mean square over the block's tokens (same order as RMS)
+        top = torch.argsort(ms, dim=-1, descending=True, stable=True)[..., : d // 2]
         mask = torch.zeros(b, h, d, dtype=torch.uint8, device=x.device).scatter_(-1, top, 1)
-        xp = torch.gather(xf, -1, self._perm(mask).unsqueeze(-2).expand(b, h, t, d))
         tensors = {"outlier_mask": pack_bits(mask, 1)}
-        for part, xs, bits in (("hi", xp[..., :k], self.bits_hi), ("lo", xp[..., k:], self.bits_lo)):
-            tensors[f"codes_{part}"], norm = _mse_encode(xs, self._matrices(f"rot_{part}", k, h, x.device), bits)
+        for part, bits, pi in self._halves(mask):
+            tensors[f"codes_{part}"], norm = _mse_encode(x, pi, bits)
             tensors[f"norm_{part}"] = _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _blocks(self, p: Packed) -> tuple[torch.Tensor, list[_CodeBlock]]:
-        """``(perm, [outlier block, regular block])``: ``perm: (B, H, d)``, the stored channel order."""
-        b, h, t, d = p.shape
-        dev = p.tensors["outlier_mask"].device
-        blocks = [
-            _CodeBlock.mse(p.tensors[f"codes_{part}"], p.tensors[f"norm_{part}"], bits, self._matrices(f"rot_{part}", d // 2, h, dev))
-            for part, bits in (("hi", self.bits_hi), ("lo", self.bits_lo))
-        ]
-        return self._perm(unpack_bits(p.tensors["outlier_mask"], 1, d)), blocks
-
-    @staticmethod
-    def _unpermute(xp: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        """``xp: (B, H, N, d)`` in the stored channel order -> the original order."""
-        return torch.empty_like(xp).scatter_(-1, perm.unsqueeze(-2).expand(xp.shape), xp)
-
-    def dequantize(self, p: Packed) -> torch.Tensor:
-        perm, blocks = self._blocks(p)
-        return self._unpermute(torch.cat([blk.dequantize() for blk in blocks], dim=-1), perm).to(p.dtype)
-
-    def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
-        perm, (hi, lo) = self._blocks(p)
-        qp = torch.gather(q, -1, perm.unsqueeze(-2).expand(q.shape))  # the query in the stored channel order
-        k = p.shape[-1] // 2
-        return hi.scores(qp[..., :k]) + lo.scores(qp[..., k:])
-
-    def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
-        perm, blocks = self._blocks(p)
-        return self._unpermute(torch.cat([blk.weighted_sum(w) for blk in blocks], dim=-1), perm)
+    def _blocks(self, p: Packed) -> list[_CodeBlock]:
+        t = p.tensors
+        halves = self._halves(unpack_bits(t["outlier_mask"], 1, p.shape[-1]))
+        return [_CodeBlock.mse(t[f"codes_{part}"], t[f"norm_{part}"], bits, pi) for part, bits, pi in halves]
 
 
 for _b in (2, 3, 4):
