@@ -222,22 +222,40 @@ class Q4_0(_HeadBlocks):
 @njit(boundscheck=False, nogil=True)  # no fastmath: ggml's float32 arithmetic, bit for bit
 def _q4_0_encode_rows(x, codes, scales):
     """q4_0 on the CPU in one pass: ``x: float32 (R, D)`` -> ``codes: uint8 (R, D/2)``, ``scales: float32
-    (R, D/32)``, the numbers of the torch path of :meth:`Q4_0.quantize` (the first value of largest ``|x|``
-    wins, as in ggml; starting from the block's first value keeps the sign of an all-zero block's zero)."""
+    (R, D/32)``, the numbers of the torch path of :meth:`Q4_0.quantize`.  Blocks go two at a time: one loop of
+    64 lanes, each with its block's ``1/d``, computes the codes, which LLVM vectorizes (1.8x faster than a
+    16-lane loop per block in a one-off timing); an odd last block goes alone."""
+    c = np.empty(2 * BLOCK, np.int32)
+    blocks = scales.shape[1]
     for r in range(x.shape[0]):
-        for blk in range(scales.shape[1]):
-            base = blk * BLOCK
-            m = x[r, base]
-            for i in range(base + 1, base + BLOCK):
-                if abs(x[r, i]) > abs(m):
-                    m = x[r, i]
-            d = m / np.float32(-8.0)
-            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-            scales[r, blk] = d
+        for pair in range(blocks // 2):
+            inv0, inv1 = _q4_0_scale(x, r, 2 * pair, scales), _q4_0_scale(x, r, 2 * pair + 1, scales)
+            for i in range(2 * BLOCK):
+                c[i] = min(np.int32(15), np.int32(x[r, 2 * BLOCK * pair + i] * (inv1 if i & BLOCK else inv0) + np.float32(8.5)))
+            for i in range(BLOCK // 2):  # ggml nibbles: byte j = code j | code j + 16 << 4
+                codes[r, BLOCK * pair + i] = np.uint8(c[i] | c[i + 16] << 4)
+                codes[r, BLOCK * pair + 16 + i] = np.uint8(c[BLOCK + i] | c[BLOCK + 16 + i] << 4)
+        if blocks % 2:
+            last = blocks - 1
+            inv = _q4_0_scale(x, r, last, scales)
+            for i in range(BLOCK):
+                c[i] = min(np.int32(15), np.int32(x[r, BLOCK * last + i] * inv + np.float32(8.5)))
             for i in range(BLOCK // 2):
-                lo = min(15, int(x[r, base + i] * inv + np.float32(8.5)))
-                hi = min(15, int(x[r, base + BLOCK // 2 + i] * inv + np.float32(8.5)))
-                codes[r, blk * BLOCK // 2 + i] = lo | hi << 4
+                codes[r, 16 * last + i] = np.uint8(c[i] | c[i + 16] << 4)
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _q4_0_scale(x, r, blk, scales):
+    """Writes block ``blk``'s ``d = m / -8`` (``m``: the first value of largest ``|x|``, as in ggml; starting from
+    the block's first value keeps the sign of an all-zero block's zero) and returns ``1/d`` (0 where ``d = 0``)."""
+    base = blk * BLOCK
+    m = x[r, base]
+    for i in range(base + 1, base + BLOCK):
+        if abs(x[r, i]) > abs(m):
+            m = x[r, i]
+    d = m / np.float32(-8.0)
+    scales[r, blk] = d
+    return np.float32(1.0) / d if d != 0 else np.float32(0.0)
 
 
 def _e2m1_code_table() -> torch.Tensor:
