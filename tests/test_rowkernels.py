@@ -44,11 +44,14 @@ def test_row_kernels_read_what_the_torch_path_reads(method, role, monkeypatch):
     torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 128])  # q8_0 reads an even block count two blocks at a time
+@pytest.mark.parametrize("head_dim", [32, 96, 128])  # q8_0 reads and q4_0 codes an even block count two blocks at a time
 @pytest.mark.parametrize("method", ["q8_0", "q4_0", "fp4_e2m1"])
-def test_block_formats_read_odd_and_even_block_counts(method, head_dim, monkeypatch):
+def test_block_formats_code_and_read_odd_and_even_block_counts(method, head_dim, monkeypatch):
     q = get_method(method).key
-    p = q.quantize(torch.randn(1, 2, 5, head_dim, generator=torch.Generator().manual_seed(4)) * 3)
+    x = torch.randn(1, 2, 5, head_dim, generator=torch.Generator().manual_seed(4)) * 3
+    p = q.quantize(x)
+    want = _torch_path(monkeypatch, lambda: q.quantize(x)).tensors
+    assert all(torch.equal(p.tensors[name], want[name]) for name in want)  # q4_0 encodes blocks in pairs on the CPU
     assert q.reads_rows(p)
     assert torch.equal(q.dequantize(p), _torch_path(monkeypatch, lambda: q.dequantize(p)))
 
