@@ -73,7 +73,7 @@ def test_row_kernel_reads_never_dequantize(method, monkeypatch):
     assert q.weighted_sum(p, torch.rand(2, 3, 2, tokens)).shape == (2, 3, 2, 64)
 
 
-@pytest.mark.parametrize("method", ["q4_0", *TURBO, "kivi2", "sliding_window_asym3"])  # numba encoders or plane packer
+@pytest.mark.parametrize("method", ["q4_0", "fp4_e2m1", *TURBO, "kivi2", "sliding_window_asym3"])  # numba encoders or plane packer
 def test_cpu_encoders_write_the_torch_path_bytes(method, monkeypatch):
     q = get_method(method).key.for_layer(1)
     x = _kv(tokens=320 if q.token_group == 32 else 300, seed=3)
