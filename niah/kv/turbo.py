@@ -244,7 +244,7 @@ def _encode(y: torch.Tensor, norm: torch.Tensor, bits: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _row_encoder(bits: int, run: int):
     """The CPU encoder of ``bits``-bit codes (1 to 4) in runs of ``run``, compile-time constants as in
-    :func:`_planes_row`: ``encode(y, norm, mids, out)``, ``y: (R, d)`` rotated rows, ``norm: (R, 1)``, ``mids``
+    :func:`_planes_reader`: ``encode(y, norm, mids, out)``, ``y: (R, d)`` rotated rows, ``norm: (R, 1)``, ``mids``
     the codebook's midpoints padded to 15 -> ``out: uint8 (R, d * bits / 8)`` in the bit planes of
     :func:`pack_planes`.  The code of ``u = y / norm`` is the number of midpoints below it (``torch.bucketize``:
     the nearest centroid, ties to the lower one), found bit by bit, top bit first: bit ``k`` is ``u > m`` for
@@ -356,44 +356,36 @@ class _Turbo(KVQuantizer):
         """``(heads, dim, dim)`` float32: this layer's per-head rotations (or QJL matrices), from the seed."""
         return _layer_matrices(kind, self.seed, self.layer_idx, dim, heads, str(device))
 
-    def _blocks(self, p: Packed) -> list["_CodeBlock"]:
-        """What ``p`` stores, as code blocks whose reads add up (each maps back to the original channels)."""
+    def _block(self, p: Packed) -> "_CodeBlock":
+        """What ``p`` stores, as one :class:`_CodeBlock`."""
         raise NotImplementedError
 
     def dequantize(self, p: Packed) -> torch.Tensor:
-        return _total(blk.dequantize() for blk in self._blocks(p)).to(p.dtype)
+        return self._block(p).dequantize().to(p.dtype)
 
     def scores(self, p: Packed, q: torch.Tensor) -> torch.Tensor:
-        return _total(blk.scores(q) for blk in self._blocks(p))
+        return self._block(p).scores(q)
 
     def weighted_sum(self, p: Packed, w: torch.Tensor) -> torch.Tensor:
-        return _total(blk.weighted_sum(w) for blk in self._blocks(p))
-
-
-def _total(tensors) -> torch.Tensor:
-    """The sum of freshly made tensors, added into the first in place (a single block costs no extra pass)."""
-    first, *rest = tensors
-    for t in rest:
-        first.add_(t)
-    return first
+        return self._block(p).weighted_sum(w)
 
 
 @functools.lru_cache(maxsize=None)
-def _planes_row(bits: int, run: int):
-    """The row decoder (:mod:`niah.kv.rowkernels`) of ``bits``-bit codes in the bit planes of :func:`pack_planes`,
-    runs of ``run`` codes: row ``r`` is ``scale[r] * c(codes)``.  ``stored = (codes, scale, table, run)``, the
-    centroids padded to a 16-entry ``table``.  Each lane of a run shifts its bit out of every plane and picks its
+def _planes_reader(bits: int, run: int):
+    """``read(codes, scale, c, run_at_run_time, r, out, offset)``: writes ``scale * c(codes of row r)`` into
+    ``out[offset:]``, for ``bits``-bit codes in the bit planes of :func:`pack_planes`, runs of ``run`` codes, the
+    centroids ``c`` padded to 16 entries.  Each lane of a run shifts its bit out of every plane and picks its
     centroid with a tree of selects on those bits; LLVM vectorizes both.  ``bits`` and ``run`` are compile-time
     constants, except for one bit: LLVM unrolls a constant 32-lane loop of one select into scalar code, so that
-    loop reads ``run`` from ``stored``.  One-off timings here: 2-4x faster than unpacking 8 codes per word and
-    loading each centroid; a run-time trip count for 2-4 bits 2-3x slower; for one bit 2.5x faster."""
+    loop reads its count at run time (:func:`_one_bit_pairs` is faster where it applies).  One-off timings here:
+    2-4x faster than unpacking 8 codes per word and loading each centroid; a run-time trip count for 2-4 bits
+    2-3x slower; for one bit 2.5x faster."""
 
     @njit(**rowkernels.DECODER)
-    def decode_row(stored, r, out):
-        codes, scale, c, run_at_run_time = stored
+    def read(codes, s, c, run_at_run_time, r, out, offset):
         lanes = run_at_run_time if bits == 1 else run
         # loaded once: ``out`` might alias these for all numba knows
-        s, c0, c1, c2, c3, c4, c5, c6, c7 = scale[r], c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
+        c0, c1, c2, c3, c4, c5, c6, c7 = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
         c8, c9, c10, c11, c12, c13, c14, c15 = c[8], c[9], c[10], c[11], c[12], c[13], c[14], c[15]
         for block in range(codes.shape[1] * 8 // (bits * run)):
             w0, w1, w2, w3 = rowkernels.plane_words(codes, r, block, bits, run)
@@ -406,64 +398,103 @@ def _planes_row(bits: int, run: int):
                 v = p0 if bits == 1 else q0 if bits == 2 else (q1 if b2 else q0)
                 if bits > 3:
                     v = (q3 if b2 else q2) if b3 else v
-                out[block * run + j] = v * s
+                out[offset + block * run + j] = v * s
 
-    return decode_row
+    return read
 
 
 @njit(**rowkernels.DECODER)
-def _one_bit_pairs_row(stored, r, out):
-    """``_planes_row(1, 32)`` for rows of a multiple of 64 codes: one loop of 64 lanes per two runs, each lane
-    picking its run's word, which LLVM vectorizes (a 32-lane loop of one select it unrolls into scalars).
-    One-off timing here, QJL scores over 16K x 3 rows of d = 64: 1.0 ms against 1.5."""
-    codes, scale, c, _ = stored
-    s, c0, c1 = scale[r], c[0], c[1]
+def _one_bit_pairs(codes, s, c, run_at_run_time, r, out, offset):
+    """:func:`_planes_reader` for 1-bit codes in rows of a multiple of 64: one loop of 64 lanes per two runs,
+    each lane picking its run's word, which LLVM vectorizes (a 32-lane loop of one select it unrolls into
+    scalars).  One-off timing here, QJL scores over 16K x 3 rows of d = 64: 1.0 ms against 1.5."""
+    c0, c1 = c[0], c[1]
     for pair in range(codes.shape[1] // 8):
         w0 = rowkernels.plane_words(codes, r, 2 * pair, 1, 32)[0]
         w1 = rowkernels.plane_words(codes, r, 2 * pair + 1, 1, 32)[0]
         for j in range(64):
             bit = (w1 if j & 32 else w0) >> np.uint32(j & 31) & np.uint32(1)
-            out[64 * pair + j] = (c1 if bit else c0) * s
+            out[offset + 64 * pair + j] = (c1 if bit else c0) * s
 
 
-class _CodeBlock(NamedTuple):
-    """Stored vectors of the form ``scale * Pi^T c(codes)``, and the reads of them.  ``TurboQuant_mse`` is one
-    (``scale = ||x||``, Lloyd-Max centroids, ``Pi`` the rotation); ``TurboQuant_prod`` adds a second, its QJL
-    sketch (``c = +-1``, ``Pi = S``).  Reads work in the ``Pi`` basis, ``q . k = (Pi q) . (scale c)``: the query
-    is turned once per step and a weighted sum turned back once, instead of one ``d x d`` matmul per stored
-    token.  On the CPU the codes are read by the row kernels (:mod:`niah.kv.rowkernels`); elsewhere through
-    :meth:`rotated`, with torch."""
+def _stage_reader(bits: int, codes: int):
+    """The reader of a stage of ``codes`` codes per vector at ``bits`` bits."""
+    return _one_bit_pairs if bits == 1 and codes % 64 == 0 else _planes_reader(bits, plane_run(codes))
+
+
+@functools.lru_cache(maxsize=None)
+def _block_row(stages: tuple[tuple[int, int], ...]):
+    """The row decoder (:mod:`niah.kv.rowkernels`) of a :class:`_CodeBlock` with one or two stages of ``(bits,
+    codes per vector)``: ``stored`` holds one ``(codes, scale, table, run)`` per stage, and the stages' values
+    follow one another in the row (one pass over the rows, not one per stage: 1.4-1.5x faster for
+    ``TurboQuant_prod`` in a one-off timing)."""
+    first_codes, read_first = stages[0][1], _stage_reader(*stages[0])
+    if len(stages) == 1:
+
+        @njit(**rowkernels.DECODER)
+        def decode_row(stored, r, out):
+            codes, scale, c, run = stored[0]
+            read_first(codes, scale[r], c, run, r, out, 0)
+
+        return decode_row
+    read_second = _stage_reader(*stages[1])
+
+    @njit(**rowkernels.DECODER)
+    def decode_two(stored, r, out):
+        (codes, scale, c, run), (codes2, scale2, c2, run2) = stored
+        read_first(codes, scale[r], c, run, r, out, 0)
+        read_second(codes2, scale2[r], c2, run2, r, out, first_codes)
+
+    return decode_two
+
+
+class _Stage(NamedTuple):
+    """``scale * c(codes)`` for each stored vector, in some basis."""
 
     codes: torch.Tensor  # uint8 (B, H, T, k * bits / 8), packed by pack_planes
     scale: torch.Tensor  # (B, H, T): fp16 norms, or float32
     centroids: torch.Tensor  # float32 (2 ** bits,)
     bits: int
-    rot: torch.Tensor  # Pi: (H, k, d) or (B, H, k, d), orthonormal rows; k codes per stored vector
+
+    @property
+    def size(self) -> int:
+        """``k``, codes per stored vector."""
+        return self.codes.shape[-1] * 8 // self.bits
+
+
+class _CodeBlock(NamedTuple):
+    """Stored vectors of the form ``Pi^T s``, ``s`` the values of one or two :class:`_Stage` s one after the
+    other, and the reads of them.  ``TurboQuant_mse``: one stage (``scale = ||x||``, Lloyd-Max centroids) and
+    ``Pi`` its rotation; ``TurboQuant_prod`` adds its QJL sketch (``c = +-1``) as a second stage, with ``S Pi``
+    stacked under ``Pi``; the split variants have a stage per channel half.  Reads work in the ``Pi`` basis,
+    ``q . k = (Pi q) . s``: the query is turned once per step and a weighted sum turned back once, instead of one
+    matmul per stored token.  On the CPU the codes are read by the row kernels (:mod:`niah.kv.rowkernels`), all
+    stages in one pass; elsewhere through :meth:`rotated`, with torch."""
+
+    stages: tuple[_Stage, ...]
+    rot: torch.Tensor  # Pi: (H, K, d) or (B, H, K, d), K the stages' codes per vector together
 
     @classmethod
     def mse(cls, codes: torch.Tensor, norm: torch.Tensor, bits: int, rot: torch.Tensor) -> "_CodeBlock":
-        return cls(codes, norm, _codebook(rot.shape[-2], bits, codes.device).centroids, bits, rot)
-
-    @property
-    def _codes_per_vector(self) -> int:
-        return self.rot.shape[-2]
+        """One ``TurboQuant_mse`` stage of ``rot.shape[-2]`` codes per vector."""
+        return cls((_mse_stage(codes, norm, bits, rot.shape[-2]),), rot)
 
     def _row_args(self) -> tuple:
-        table = _padded(self.centroids.numpy(), 16)
-        return rowkernels.rows(self.codes), rowkernels.rows(self.scale), table, plane_run(self._codes_per_vector)
+        return tuple(
+            (rowkernels.rows(st.codes), rowkernels.rows(st.scale), _padded(st.centroids.numpy(), 16), plane_run(st.size))
+            for st in self.stages
+        )
 
     def _decoder(self):
-        k = self._codes_per_vector
-        return _one_bit_pairs_row if self.bits == 1 and k % 64 == 0 else _planes_row(self.bits, plane_run(k))
+        return _block_row(tuple((st.bits, st.size) for st in self.stages))
 
     def rotated(self) -> torch.Tensor:
-        """``scale * c(codes)``, the stored vectors in the ``Pi`` basis: float32 ``(B, H, T, k)``.  With torch,
-        the codes come from :func:`unpack_planes`, then a table lookup."""
-        k = self._codes_per_vector
-        if rowkernels.usable(self.codes):
-            return rowkernels.dequantize(self._decoder(), self._row_args(), (*self.codes.shape[:-1], k))
-        codes = unpack_planes(self.codes, self.bits, k).to(torch.int32)
-        return self.centroids[codes] * self.scale.float()[..., None]
+        """The stored vectors in the ``Pi`` basis: float32 ``(B, H, T, K)``.  With torch, each stage's codes
+        come from :func:`unpack_planes`, then a table lookup."""
+        if rowkernels.usable(self.stages[0].codes):
+            return rowkernels.dequantize(self._decoder(), self._row_args(), (*self.stages[0].codes.shape[:-1], self.rot.shape[-2]))
+        parts = [st.centroids[unpack_planes(st.codes, st.bits, st.size).to(torch.int32)] * st.scale.float()[..., None] for st in self.stages]
+        return torch.cat(parts, dim=-1)
 
     def dequantize(self) -> torch.Tensor:
         """``(B, H, T, d)``: ``Pi^T`` of :meth:`rotated`."""
@@ -472,17 +503,21 @@ class _CodeBlock(NamedTuple):
     def scores(self, q: torch.Tensor) -> torch.Tensor:
         """``q: (B, H, G, d)`` -> ``(B, H, G, T)``."""
         q_rot = q @ self.rot.transpose(-1, -2)
-        if rowkernels.usable(self.codes):
-            return rowkernels.scores(self._decoder(), self._row_args(), q_rot, self.codes.shape[-2])
+        if rowkernels.usable(self.stages[0].codes):
+            return rowkernels.scores(self._decoder(), self._row_args(), q_rot, self.stages[0].codes.shape[-2])
         return q_rot @ self.rotated().transpose(-1, -2)
 
     def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
         """``w: (B, H, G, T)`` -> ``(B, H, G, d)``."""
-        if rowkernels.usable(self.codes):
-            summed = rowkernels.weighted_sum(self._decoder(), self._row_args(), w, self._codes_per_vector)
+        if rowkernels.usable(self.stages[0].codes):
+            summed = rowkernels.weighted_sum(self._decoder(), self._row_args(), w, self.rot.shape[-2])
         else:
             summed = w @ self.rotated()
         return summed @ self.rot
+
+
+def _mse_stage(codes: torch.Tensor, norm: torch.Tensor, bits: int, size: int) -> _Stage:
+    return _Stage(codes, norm, _codebook(size, bits, codes.device).centroids, bits)
 
 
 @dataclass
@@ -503,9 +538,9 @@ class TurboQuantMSE(_Turbo):
         tensors = {"codes": codes, "norm": _norm16(norm)}
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _blocks(self, p: Packed) -> list[_CodeBlock]:
+    def _block(self, p: Packed) -> _CodeBlock:
         codes = p.tensors["codes"]
-        return [_CodeBlock.mse(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))]
+        return _CodeBlock.mse(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))
 
 
 @dataclass
@@ -542,15 +577,15 @@ class TurboQuantProd(_Turbo):
         }
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _blocks(self, p: Packed) -> list[_CodeBlock]:
-        """The MSE stage, ``||x|| Pi^T c``, and the QJL stage, ``||x|| ||r|| sqrt(pi/2)/d (S Pi)^T sign(S r)``."""
+    def _block(self, p: Packed) -> _CodeBlock:
+        """The MSE stage, ``||x|| c`` in the ``Pi`` basis, and the QJL stage, ``||x|| ||r|| sqrt(pi/2)/d
+        sign(S r)`` in the ``S Pi`` basis: ``x_hat = [Pi; S Pi]^T [stage 1; stage 2]``."""
         b, h, t, d = p.shape
         codes, norm = p.tensors["codes"], p.tensors["norm"]
         rot = self._matrices("rot", d, h, codes.device)
-        mse = _CodeBlock.mse(codes, norm, self.bits - 1, rot)
         qjl_scale = norm.float() * p.tensors["rnorm"].float() * (math.sqrt(math.pi / 2) / d)
-        sketch = self._matrices("qjl", d, h, codes.device) @ rot  # S Pi: the sketch taken of the original vector
-        return [mse, _CodeBlock(p.tensors["signs"], qjl_scale, _SIGNS.to(codes.device), 1, sketch)]
+        stages = _mse_stage(codes, norm, self.bits - 1, d), _Stage(p.tensors["signs"], qjl_scale, _SIGNS.to(codes.device), 1)
+        return _CodeBlock(stages, torch.cat([rot, self._matrices("qjl", d, h, codes.device) @ rot], dim=-2))
 
 
 _SIGNS = torch.tensor([-1.0, 1.0])  # the values of QJL sign bits 0 and 1
@@ -601,10 +636,12 @@ class TurboQuantSplit(_Turbo):
             tensors[f"norm_{part}"] = _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
-    def _blocks(self, p: Packed) -> list[_CodeBlock]:
-        t = p.tensors
+    def _block(self, p: Packed) -> _CodeBlock:
+        """A stage per half, the outliers' first, with their rotations stacked: ``(B, H, d, d)``."""
+        t, k = p.tensors, p.shape[-1] // 2
         halves = self._halves(unpack_bits(t["outlier_mask"], 1, p.shape[-1]))
-        return [_CodeBlock.mse(t[f"codes_{part}"], t[f"norm_{part}"], bits, pi) for part, bits, pi in halves]
+        stages = tuple(_mse_stage(t[f"codes_{part}"], t[f"norm_{part}"], bits, k) for part, bits, _ in halves)
+        return _CodeBlock(stages, torch.cat([pi for _, _, pi in halves], dim=-2))
 
 
 for _b in (2, 3, 4):
