@@ -83,7 +83,7 @@ def test_cpu_encoders_write_the_torch_path_bytes(method, monkeypatch):
     want = _torch_path(monkeypatch, lambda: q.quantize(x).tensors)
     assert got.keys() == want.keys()
     for name in got:
-        if name.startswith("norm"):  # TurboQuant's CPU encoder sums the squares in its own order
+        if "norm" in name:  # TurboQuant's CPU encoders sum the squares in their own order
             torch.testing.assert_close(got[name], want[name], rtol=2**-10, atol=0)  # one fp16 step at most
         else:
             assert torch.equal(got[name], want[name]), name

@@ -230,15 +230,9 @@ def _mse_encode(x: torch.Tensor, rot: torch.Tensor, bits: int) -> tuple[torch.Te
 
 
 def _encode(y: torch.Tensor, norm: torch.Tensor, bits: int) -> torch.Tensor:
-    """The packed nearest-centroid codes of ``y / norm`` (``y``: rotated rows, left unchanged).  On the CPU, one
-    numba pass divides, codes and packs (:func:`_row_encoder`)."""
-    book = _codebook(y.shape[-1], bits, y.device)
-    if not rowkernels.usable(y):
-        return pack_planes(book.encode(y / norm.clamp_min(_TINY)), bits)
-    packed = torch.empty(*y.shape[:-1], y.shape[-1] * bits // 8, dtype=torch.uint8)
-    encode = _row_encoder(bits, plane_run(y.shape[-1]))
-    encode(rowkernels.rows(y), rowkernels.rows(norm), book.mids15, packed.view(-1, packed.shape[-1]).numpy())
-    return packed
+    """The packed nearest-centroid codes of ``y / norm`` (``y``: rotated rows, left unchanged), with torch (the
+    CPU runs :func:`_row_encoder` inside :func:`_rotate_encoder` and :func:`_prod_encoder` instead)."""
+    return pack_planes(_codebook(y.shape[-1], bits, y.device).encode(y / norm.clamp_min(_TINY)), bits)
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,6 +312,45 @@ def _rotate_encoder(bits: int, run: int):
                 encode(y[:n], norm[start:start + n], mids, out[start:start + n])
 
     return rotate_encode
+
+
+@functools.lru_cache(maxsize=None)
+def _prod_encoder(bits: int, dim: int):
+    """The CPU path of :meth:`TurboQuantProd.quantize` with ``bits`` MSE bits: ``encode(x, rot_t, qjl_t, tokens,
+    mids, table, norm, codes, rnorm, signs)``, ``x: (R, d)`` float32 rows of ``tokens`` per (batch, head),
+    ``rot_t``, ``qjl_t: (H, d, d)`` the transposed ``Pi`` and ``S``, the codebook's padded midpoints and
+    centroids -> ``norm: (R, 1)``, ``codes``, ``rnorm: (R,)`` and ``signs`` (1-bit planes).  Per tile of
+    :data:`_TILE` rows, as :func:`_rotate_encoder`, then the residual ``u - c(codes)`` of each row, its norm, and
+    the signs of its sketch (a second ``np.dot``), while the tile is in cache; the torch path makes a dozen passes
+    over full-size tensors instead."""
+    run = plane_run(dim)
+    encode, read, pack_signs = _row_encoder(bits, run), _stage_reader(bits, dim), rowkernels.plane_packer(1, run)
+
+    @njit(nogil=True)
+    def prod_encode(x, rot_t, qjl_t, tokens, mids, table, norm, codes, rnorm, signs):
+        y, res, sketch = np.empty((_TILE, dim), np.float32), np.empty((_TILE, dim), np.float32), np.empty((_TILE, dim), np.float32)
+        u_hat, positive = np.empty(dim, np.float32), np.empty((_TILE, dim), np.uint8)
+        for first in range(0, x.shape[0], tokens):  # the rows of one (batch, head)
+            head = first // tokens % rot_t.shape[0]
+            for start in range(first, first + tokens, _TILE):
+                n = min(_TILE, first + tokens - start)
+                np.dot(x[start:start + n], rot_t[head], y[:n])
+                for i in range(n):
+                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i))
+                encode(y[:n], norm[start:start + n], mids, codes[start:start + n])
+                for i in range(n):
+                    read(codes, np.float32(1.0), table, run, start + i, u_hat, 0)  # c(codes), unit scale
+                    unit = max(norm[start + i, 0], np.float32(_TINY))
+                    for j in range(dim):
+                        res[i, j] = y[i, j] / unit - u_hat[j]
+                    rnorm[start + i] = np.sqrt(_sum_squares(res, i))
+                np.dot(res[:n], qjl_t[head], sketch[:n])
+                for i in range(n):
+                    for j in range(dim):
+                        positive[i, j] = sketch[i, j] >= 0
+                pack_signs(positive[:n], signs[start:start + n])
+
+    return prod_encode
 
 
 @njit(fastmath={"reassoc", "nsz"}, boundscheck=False, nogil=True)
@@ -562,19 +595,32 @@ class TurboQuantProd(_Turbo):
         self._check(x)
         b, h, t, d = x.shape
         mb = self.bits - 1
-        rot = self._matrices("rot", d, h, x.device)
+        rot, qjl = self._matrices("rot", d, h, x.device), self._matrices("qjl", d, h, x.device)
+        if rowkernels.usable(x):
+            return self._cpu_quantize(x, rot, qjl)
         y, norm = _rotate(x, rot)
         codes = _encode(y, norm, mb)
         u_hat = _CodeBlock.mse(codes, torch.ones_like(norm.squeeze(-1)), mb, rot).rotated()  # c(codes): Pi basis
         r = y.div_(norm.clamp_min(_TINY)).sub_(u_hat)  # u - u_hat in the rotated basis (the norm of u - u_hat_mse)
         rnorm = torch.linalg.vector_norm(r, dim=-1)
-        sketch = torch.matmul(r, self._matrices("qjl", d, h, x.device).transpose(-1, -2))  # rows of (S r)^T
-        tensors = {
-            "codes": codes,
-            "norm": _norm16(norm),
-            "signs": pack_planes((sketch >= 0).to(torch.uint8), 1),
-            "rnorm": rnorm.to(torch.float16),
-        }
+        sketch = torch.matmul(r, qjl.transpose(-1, -2))  # rows of (S r)^T
+        return self._packed(x, codes, norm, pack_planes((sketch >= 0).to(torch.uint8), 1), rnorm)
+
+    def _cpu_quantize(self, x: torch.Tensor, rot: torch.Tensor, qjl: torch.Tensor) -> Packed:
+        """:meth:`quantize` in one numba pass (:func:`_prod_encoder`)."""
+        b, h, t, d = x.shape
+        mb = self.bits - 1
+        norm, rnorm = torch.empty(b, h, t, 1), torch.empty(b, h, t)
+        codes, signs = torch.empty(b, h, t, d * mb // 8, dtype=torch.uint8), torch.empty(b, h, t, d // 8, dtype=torch.uint8)
+        book = _codebook(d, mb, x.device)
+        matrices = [m.transpose(-1, -2).contiguous().numpy() for m in (rot, qjl)]
+        outputs = [rowkernels.rows(o) for o in (norm, codes, rnorm.unsqueeze(-1), signs)]
+        outputs[2] = outputs[2].reshape(-1)
+        _prod_encoder(mb, d)(rowkernels.rows(x.float()), *matrices, t, book.mids15, _padded(book.centroids.numpy(), 16), *outputs)
+        return self._packed(x, codes, norm, signs, rnorm)
+
+    def _packed(self, x: torch.Tensor, codes, norm, signs, rnorm) -> Packed:
+        tensors = {"codes": codes, "norm": _norm16(norm), "signs": signs, "rnorm": rnorm.to(torch.float16)}
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
     def _block(self, p: Packed) -> _CodeBlock:
