@@ -49,8 +49,10 @@ tokens; kept in a process-wide cache shared by all quantizer instances, so each 
 :meth:`for_layer` returns a copy seeded for that layer.
 
 Speed: quantize and dequantize are one ``(tokens x d) @ (d x d)`` matmul per head (two for ``_prod``) plus one
-pass over the codes (on the CPU a numba loop: :func:`_row_encoder`, :mod:`niah.kv.rowkernels`); the dense
-rotation alone costs about half a copy.  Reads in a decode step need no rotation per token (:class:`_CodeBlock`).
+pass over the codes; the dense rotation alone costs about half a copy.  On the CPU, quantize is one numba pass
+over ``x`` in tiles that stay in cache (:func:`_rotate_encoder`, :func:`_prod_encoder`), and every read decodes
+all of a variant's codes in one pass (:class:`_CodeBlock`, :mod:`niah.kv.rowkernels`).  Reads in a decode step
+need no rotation per token.
 
 Constraints: ``head_dim`` must be a multiple of 8 and at least 16 (a multiple of 16 for ``turbo2.5`` and
 ``turbo3.5``).  Multiples of 8 let every code width pack into whole bytes with no padding; below 16 the fp16
@@ -306,7 +308,7 @@ def _rotate_encoder(bits: int, run: int):
     norms are float32 sums in numba's order (:func:`_sum_squares`): they can differ from torch's ``vector_norm``
     in the last bit, which can move a code only where ``y / norm`` ties a midpoint.  One-off paired timing here,
     16K x 3 x 64 at 3 bits: 6.4 ms against 9.0 for torch's matmul and norm followed by :func:`_row_encoder`."""
-    encode = _row_encoder(bits, run)
+    encode_tile = _tile_encoder(bits, run)
 
     @njit(nogil=True)
     def rotate_encode(x, rot_t, tokens, mids, norm, out):
@@ -314,13 +316,25 @@ def _rotate_encoder(bits: int, run: int):
         for first in range(0, x.shape[0], tokens):  # the rows of one (batch, head): rows are (B, H, T) flattened
             pi_t = rot_t[first // tokens % rot_t.shape[0]]
             for start in range(first, first + tokens, _TILE):
-                n = min(_TILE, first + tokens - start)
-                np.dot(x[start:start + n], pi_t, y[:n])
-                for i in range(n):
-                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i))
-                encode(y[:n], norm[start:start + n], mids, out[start:start + n])
+                encode_tile(x, start, min(_TILE, first + tokens - start), pi_t, mids, y, norm, out)
 
     return rotate_encode
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_encoder(bits: int, run: int):
+    """``encode_tile(x, start, n, pi_t, mids, y, norm, out)``: rows ``start .. start + n - 1`` of ``x`` rotated into
+    ``y[:n]`` (``np.dot`` with ``pi_t: (d, k)``), their norms and their codes (:func:`_row_encoder`) written."""
+    encode = _row_encoder(bits, run)
+
+    @njit(nogil=True)
+    def encode_tile(x, start, n, pi_t, mids, y, norm, out):
+        np.dot(x[start:start + n], pi_t, y[:n])
+        for i in range(n):
+            norm[start + i, 0] = np.sqrt(_sum_squares(y, i))
+        encode(y[:n], norm[start:start + n], mids, out[start:start + n])
+
+    return encode_tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,7 +347,7 @@ def _prod_encoder(bits: int, dim: int):
     the signs of its sketch (a second ``np.dot``), while the tile is in cache; the torch path makes a dozen passes
     over full-size tensors instead."""
     run = plane_run(dim)
-    encode, read, pack_signs = _row_encoder(bits, run), _stage_reader(bits, dim), rowkernels.plane_packer(1, run)
+    encode_tile, read, pack_signs = _tile_encoder(bits, run), _stage_reader(bits, dim), rowkernels.plane_packer(1, run)
 
     @njit(nogil=True)
     def prod_encode(x, rot_t, qjl_t, tokens, mids, table, norm, codes, rnorm, signs):
@@ -343,10 +357,7 @@ def _prod_encoder(bits: int, dim: int):
             head = first // tokens % rot_t.shape[0]
             for start in range(first, first + tokens, _TILE):
                 n = min(_TILE, first + tokens - start)
-                np.dot(x[start:start + n], rot_t[head], y[:n])
-                for i in range(n):
-                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i))
-                encode(y[:n], norm[start:start + n], mids, codes[start:start + n])
+                encode_tile(x, start, n, rot_t[head], mids, y, norm, codes)
                 for i in range(n):
                     read(codes, np.float32(1.0), table, run, start + i, u_hat, 0)  # c(codes), unit scale
                     unit = max(norm[start + i, 0], np.float32(_TINY))
