@@ -231,7 +231,7 @@ def _q4_0_encode_rows(x, codes, scales):
         for pair in range(blocks // 2):
             inv0, inv1 = _q4_0_scale(x, r, 2 * pair, scales), _q4_0_scale(x, r, 2 * pair + 1, scales)
             for i in range(2 * BLOCK):
-                c[i] = min(np.int32(15), np.int32(x[r, 2 * BLOCK * pair + i] * (inv1 if i & BLOCK else inv0) + np.float32(8.5)))
+                c[i] = _q4_0_code(x[r, 2 * BLOCK * pair + i], inv1 if i & BLOCK else inv0)
             for i in range(BLOCK // 2):  # ggml nibbles: byte j = code j | code j + 16 << 4
                 codes[r, BLOCK * pair + i] = np.uint8(c[i] | c[i + 16] << 4)
                 codes[r, BLOCK * pair + 16 + i] = np.uint8(c[BLOCK + i] | c[BLOCK + 16 + i] << 4)
@@ -239,9 +239,15 @@ def _q4_0_encode_rows(x, codes, scales):
             last = blocks - 1
             inv = _q4_0_scale(x, r, last, scales)
             for i in range(BLOCK):
-                c[i] = min(np.int32(15), np.int32(x[r, BLOCK * last + i] * inv + np.float32(8.5)))
+                c[i] = _q4_0_code(x[r, BLOCK * last + i], inv)
             for i in range(BLOCK // 2):
                 codes[r, 16 * last + i] = np.uint8(c[i] | c[i + 16] << 4)
+
+
+@njit(boundscheck=False, nogil=True, inline="always")
+def _q4_0_code(v, inv):
+    """ggml's q4_0 code of ``v`` for ``1/d = inv``: ``min(15, trunc(v * inv + 8.5))``, int32."""
+    return min(np.int32(15), np.int32(v * inv + np.float32(8.5)))
 
 
 @njit(boundscheck=False, nogil=True, inline="always")
@@ -258,6 +264,9 @@ def _q4_0_scale(x, r, blk, scales):
     return np.float32(1.0) / d if d != 0 else np.float32(0.0)
 
 
+_E2M1_BOUNDARIES4 = (1, 3, 5, 7, 10, 14, 20)  # 4x the rounding boundaries between E2M1 magnitudes
+
+
 def _e2m1_code_table() -> torch.Tensor:
     """uint8 codes for ``j = ceil(4 |y|) * sign(y) + 24``, ``j`` in ``0 .. 48`` (``|y|`` clamped to 6).
 
@@ -266,8 +275,7 @@ def _e2m1_code_table() -> torch.Tensor:
     i.e. ``b < |y|`` (a tie goes to the smaller magnitude).
     """
     j = torch.arange(-24, 25)
-    boundaries4 = torch.tensor([1, 3, 5, 7, 10, 14, 20])
-    magnitude = (boundaries4 < j.abs().unsqueeze(-1)).sum(-1)
+    magnitude = (torch.tensor(_E2M1_BOUNDARIES4) < j.abs().unsqueeze(-1)).sum(-1)
     return (magnitude | (j < 0) * 8).to(torch.uint8)
 
 
@@ -286,6 +294,7 @@ def _e2m1_encode_rows(x, scales, codes):
     magnitude code is the number of rounding boundaries (in quarters, :func:`_e2m1_code_table`) below ``j``,
     with the sign bit where ``x < 0`` and ``j > 0``: no table load, so the 32 lanes of a block vectorize."""
     c = np.empty(BLOCK, np.int32)
+    b0, b1, b2, b3, b4, b5, b6 = _E2M1_BOUNDARIES4  # spelled out below: a loop over them ran 1.5x slower
     for r in range(x.shape[0]):
         for blk in range(scales.shape[1]):
             s = scales[r, blk]
@@ -293,7 +302,7 @@ def _e2m1_encode_rows(x, scales, codes):
             for i in range(BLOCK):
                 v = x[r, blk * BLOCK + i]
                 j = min(np.float32(24.0), np.ceil(abs(v) * inv4))
-                magnitude = np.int32(j > 1) + np.int32(j > 3) + np.int32(j > 5) + np.int32(j > 7) + np.int32(j > 10) + np.int32(j > 14) + np.int32(j > 20)
+                magnitude = np.int32(j > b0) + np.int32(j > b1) + np.int32(j > b2) + np.int32(j > b3) + np.int32(j > b4) + np.int32(j > b5) + np.int32(j > b6)
                 c[i] = magnitude | np.int32(v < 0 and j > 0) << 3
             for i in range(BLOCK // 2):  # pack_bits: low nibble first
                 codes[r, blk * 16 + i] = np.uint8(c[2 * i] | c[2 * i + 1] << 4)

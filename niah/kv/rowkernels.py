@@ -113,7 +113,7 @@ def lane_bits(w0, w1, w2, w3, lane):
 def set_lane_bits(w0, w1, w2, w3, b0, b1, b2, b3, lane):
     """The inverse of :func:`lane_bits`: the words with bit ``lane`` set to ``b0 .. b3`` (each 0 or 1, clear in
     the words before).  Every result is cast back to uint32: numba widens integer arithmetic to 64 bits, which
-    made LLVM vectorize the encoders' lanes 4 at a time instead of 8 (1.2x slower in a one-off timing)."""
+    made LLVM vectorize the encoders' lanes 4 at a time instead of 8 (1.2-1.7x slower in one-off timings)."""
     j = np.uint32(lane)
     return (
         np.uint32(w0 | np.uint32(np.uint32(b0) << j)),
