@@ -55,9 +55,10 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     Greedy decoding picks the argmax at every step, so it reproduces the expected answer for exactly as many
     tokens as the teacher-forced argmax agrees with it: those tokens are taken from the teacher-forced pass,
     and decoding runs step by step only from the first disagreement (when every answer token agrees, the
-    generation is the expected answer and no decode step runs; ``decode_s_per_token`` is then NaN).  The one
-    difference from step-by-step decoding: a method whose scales span several new tokens (fp8's per-head
-    scale, the sliding-window quantizer) stores the agreeing tokens as one block.
+    generation is the expected answer and no decode step runs; ``decode_s_per_token`` is then NaN).  Storing
+    the agreeing tokens as one block reads back the same keys and values as storing them step by step (every
+    method codes a token with its layer's first-block parameters, or whole groups of the oldest tokens; the
+    tests check it).
     """
     device = next(model.parameters()).device
     t0 = time.perf_counter()

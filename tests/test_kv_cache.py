@@ -7,6 +7,7 @@ import torch
 
 from niah.haystack import haystack_text, tokenize_haystack
 from niah.kv import cache as cache_module
+from niah.kv.base import concat_tokens
 from niah.kv.cache import PackedCache, PackedLayer
 from niah.kv.registry import available, get_method
 from niah.needles import NeedleSpec, make_trial
@@ -62,7 +63,7 @@ def test_unsupported_head_dim_names_the_method_and_the_choices():
 
 
 
-@pytest.mark.parametrize("method", ["q8_0", "q4_0", "turbo3", "turbo3_prod"])
+@pytest.mark.parametrize("method", ["q8_0", "q4_0", "turbo3", "turbo3_prod", "fp8_e5m2", "turbo2.5"])
 @pytest.mark.parametrize("keep", [True, False])
 def test_decode_steps_merge_chunks_without_changing_what_is_read(method, keep):
     """One-token decode chunks of tokenwise formats merge into few chunks (here, into the short prefill's); every
@@ -80,10 +81,35 @@ def test_decode_steps_merge_chunks_without_changing_what_is_read(method, keep):
         torch.testing.assert_close(got, want)  # float rounding only: a merged chunk is dequantized in one matmul
     assert len(apart.chunks) == 41
     assert len(layer.chunks) == 1, f"{len(layer.chunks)} chunks after 40 decode steps"
-    for kind in (0, 1):  # the stored codes are the same bits
-        for name in layer.chunks[0][kind].tensors:
+    for kind in (0, 1):  # the stored codes are the same bits, and a shared parameter is the prefill's
+        first = layer.chunks[0][kind]
+        for name, tensor in first.tensors.items():
+            if name in first.meta.get("shared", ()):
+                assert all(torch.equal(c[kind].tensors[name], tensor) for c in apart.chunks), name
+                continue
             joined = [torch.cat([c[kind].tensors[name] for c in chunks], dim=2) for chunks in (layer.chunks, apart.chunks)]
             assert torch.equal(*joined), name
+
+
+def test_blocks_coded_with_different_shared_parameters_do_not_join():
+    q = get_method("fp8_e4m3").key
+    a, b = q.quantize(torch.randn(1, 2, 5, 32)), q.quantize(torch.randn(1, 2, 3, 32))
+    with pytest.raises(ValueError, match="scales"):
+        concat_tokens(a, b)
+    joined = concat_tokens(a, q.quantize_after(torch.randn(1, 2, 3, 32), a))
+    assert joined.shape == (1, 2, 8, 32) and joined.tensors["scales"].shape == (1, 2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_block_of_new_tokens_reads_as_the_same_tokens_stored_one_by_one(method):
+    x = torch.randn(1, 2, 240, 64, generator=torch.Generator().manual_seed(4))
+    block, steps = (PackedLayer(get_method(method), 0) for _ in range(2))
+    for layer in (block, steps):
+        layer.update(x[..., :190, :], x[..., :190, :])
+    want = block.update(x[..., 190:, :], x[..., 190:, :])
+    for t in range(190, 240):
+        got = steps.update(x[..., t : t + 1, :], x[..., t : t + 1, :])
+    torch.testing.assert_close(got, want)
 
 
 def test_long_decodes_keep_few_chunks(monkeypatch):

@@ -176,6 +176,17 @@ def test_fp8_e4m3_is_more_accurate_than_e5m2():
     assert mse["fp8_e4m3"] < mse["fp8_e5m2"]
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_later_blocks_keep_the_first_scale_and_saturate(name):
+    q = quantizer(name)
+    first = q.quantize(randn(1, 2, 16, 64))
+    later = randn(1, 2, 3, 64, seed=1) * 1e6  # far beyond the first block's absmax
+    p = q.quantize_after(later, first)
+    assert p.tensors["scales"] is first.tensors["scales"]
+    big = torch.finfo(q.fp8).max * first.tensors["scales"][..., None, None]
+    torch.testing.assert_close(q.dequantize(p), later.sign() * big.expand_as(later))
+
+
 def test_fp8_all_zero_head():
     x = randn(1, 2, 8, 64)
     x[0, 1] = 0

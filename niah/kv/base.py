@@ -52,9 +52,10 @@ class KVQuantizer(ABC):
     ``residual``: the newest tokens kept in full precision (KIVI keeps 128); 0 means every token is
     quantized as soon as it is stored, as llama.cpp does.
     ``token_group``: tokens that must be quantized together (KIVI's per-channel keys need 32).
-    ``tokenwise``: every stored tensor is ``(B, H, T, ...)`` and each token is coded on its own, so two stored
-    blocks concatenate along dim 2 (:func:`concat_tokens`); the cache then merges the one-token chunks of
-    decode steps instead of letting them pile up.
+    ``tokenwise``: each token of a block stored by :meth:`quantize_after` is coded on its own, and every stored
+    tensor is ``(B, H, T, ...)`` except those named in ``meta["shared"]`` (per-head parameters that the block
+    took from the block before it), so two such blocks concatenate along dim 2 (:func:`concat_tokens`); the
+    cache then merges the one-token chunks of decode steps instead of letting them pile up.
     """
 
     name: str = "base"
@@ -65,6 +66,15 @@ class KVQuantizer(ABC):
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> Packed:
         """``x: (batch, kv_heads, tokens, head_dim)`` -> stored form."""
+
+    def quantize_after(self, x: torch.Tensor, prev: Packed) -> Packed:
+        """``x`` stored right after ``prev``, the same layer's newest stored block.
+
+        A format whose block carries a parameter chosen from its own tokens (fp8's scale, the outlier channels of
+        the split TurboQuant variants) reuses ``prev``'s here and names it in ``meta["shared"]``, so a decode
+        step's token is coded like the prefill's and merges into the block before it.  Others code ``x`` on its own.
+        """
+        return self.quantize(x)
 
     @abstractmethod
     def dequantize(self, p: Packed) -> torch.Tensor:
@@ -133,8 +143,13 @@ class RowDecoded(KVQuantizer):
 
 
 def concat_tokens(a: Packed, b: Packed) -> Packed:
-    """``a`` then ``b`` as one block, for ``tokenwise`` formats (every tensor ``(B, H, T, ...)``)."""
-    tensors = {k: torch.cat([a.tensors[k], b.tensors[k]], dim=2) for k in a.tensors}
+    """``a`` then ``b`` as one block, for ``tokenwise`` formats: tensors ``(B, H, T, ...)`` are joined along dim 2,
+    and the ``meta["shared"]`` ones, which ``b`` took from ``a`` (:meth:`KVQuantizer.quantize_after`), kept once."""
+    shared = a.meta.get("shared", ())
+    for k in shared:
+        if not torch.equal(a.tensors[k], b.tensors[k]):
+            raise ValueError(f"cannot join blocks with different {k!r}: the second was not stored by quantize_after(x, first)")
+    tensors = {k: a.tensors[k] if k in shared else torch.cat([a.tensors[k], b.tensors[k]], dim=2) for k in a.tensors}
     shape = (*a.shape[:2], a.shape[2] + b.shape[2], *a.shape[3:])
     return Packed(tensors, shape, a.dtype, dict(a.meta))
 

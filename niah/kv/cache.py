@@ -4,7 +4,9 @@ Each layer holds ``chunks``: a list of (packed keys, packed values) blocks, and 
 tokens in full precision, ``(batch, kv_heads, tokens, head_dim)``.  Whenever the residual grows past
 ``method.residual + method.token_group`` tokens, its oldest whole groups are quantized into a new chunk.
 With ``residual = 0`` and ``token_group = 1`` (q8_0, q4_0, fp8...) every token is quantized as soon as it is
-stored, as llama.cpp does, so even the question's own tokens are read back quantized.  For ``tokenwise``
+stored, as llama.cpp does, so even the question's own tokens are read back quantized.  Every chunk after the
+first is stored by ``quantize_after(tokens, previous chunk)``: a per-head parameter chosen from the first chunk
+(the prefill, in the needle protocol) is kept for the rest of the layer.  For ``tokenwise``
 formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter) or
 shorter than :data:`MERGE_BELOW` tokens.  ``n`` decode steps leave ``O(log n)`` chunks, each token is copied
 ``O(log n)`` times plus at most :data:`MERGE_BELOW` tokens' codes per step, and a step after a long prefill reads
@@ -71,7 +73,12 @@ class PackedLayer(CacheLayerMixin):
         n -= n % group
         if n <= 0:
             return
-        self.chunks.append((self.kq.quantize(self.res_k[..., :n, :]), self.vq.quantize(self.res_v[..., :n, :])))
+        k, v = self.res_k[..., :n, :], self.res_v[..., :n, :]
+        if self.chunks:
+            prev_k, prev_v = self.chunks[-1]
+            self.chunks.append((self.kq.quantize_after(k, prev_k), self.vq.quantize_after(v, prev_v)))
+        else:
+            self.chunks.append((self.kq.quantize(k), self.vq.quantize(v)))
         self.res_k, self.res_v = self.res_k[..., n:, :].contiguous(), self.res_v[..., n:, :].contiguous()
         if self.kq.tokenwise and self.vq.tokenwise:
             while len(self.chunks) > 1 and self.chunks[-2][0].shape[-2] <= max(self.chunks[-1][0].shape[-2], MERGE_BELOW - 1):

@@ -9,7 +9,7 @@ Registered methods (bits per value from the format; ``D`` = head_dim)
     llama.cpp ``Q4_0``: blocks of 32, ``d = m / -8`` where ``m`` is the block's value of largest magnitude (sign
     kept), 4-bit codes ``min(15, trunc(x / d + 8.5))``, packed as ggml does.  Bit-exact with ``gguf.quants``.
 ``fp8_e4m3``, ``fp8_e5m2``  (8)
-    float8 codes and one fp32 scale per (batch, KV head) per stored chunk.
+    float8 codes and one fp32 scale per (batch, KV head), taken from the layer's first stored chunk.
 ``fp4_e2m1``  (4.5)
     1 sign, 2 exponent, 1 mantissa bit per value, one fp16 scale per block of 32.
 ``kivi2_key``, ``kivi2_value``, ``kivi4_key``, ``kivi4_value``  (3 and 5)
@@ -354,22 +354,35 @@ class FP4E2M1(_HeadBlocks):
 
 @dataclass
 class FP8(RowDecoded):
-    """float8 codes with one fp32 scale ``absmax / finfo.max`` per (batch, KV head) over the stored chunk.
+    """float8 codes with one fp32 scale ``absmax / finfo.max`` per (batch, KV head).
 
     ``fp8_e4m3`` (``torch.float8_e4m3fn``, max 448) is vLLM's default fp8 KV-cache dtype (``kv_cache_dtype="fp8"``);
     ``fp8_e5m2`` (max 57344) is the "5-bit exponent + 2-bit mantissa" format of claim S3-9.  The scale is taken
-    over the tokens and head_dim of each ``quantize`` call, so a chunk of one token has a per-token scale.
-    Stored: ``codes: float8 (B, H, T, D)``, ``scales: fp32 (B, H)``.  ``analytical_bits`` is 8: the scale adds
-    ``32 / (tokens * D)`` bits per value, under 1% for chunks of 4 tokens or more at ``D >= 128``.
+    over the tokens and head_dim of the layer's first stored chunk (the prefill) and kept for every later chunk
+    (:meth:`quantize_after`), whose values beyond it saturate at ``±finfo.max``.  That is vLLM's
+    ``calculate_kv_scales=True`` (absmax of the first forward pass, computed once; ``Attention.calc_kv_scales``),
+    at vLLM's per-head granularity (``k/v_scale = [num_kv_heads]``, docs "Quantized KV Cache").
+    Stored: ``codes: float8 (B, H, T, D)``, ``scales: fp32 (B, H)`` (shared by the chunks of a layer, counted in
+    each).  ``analytical_bits`` is 8.
     """
 
     name: str = "fp8_e4m3"
     fp8: torch.dtype = torch.float8_e4m3fn
+    tokenwise = True  # given the layer's scale
 
     def quantize(self, x: torch.Tensor) -> Packed:
         check_kv_shape(x)
-        codes, scale = fused_or_eager(_fp8_encode, x, self.fp8, tokens=x.shape[-2])
-        return Packed({"codes": codes, "scales": scale}, tuple(x.shape), x.dtype)
+        xf = x.float()
+        scale = xf.abs().amax((-2, -1)) / torch.finfo(self.fp8).max
+        return self._packed(x, torch.where(scale == 0, 1.0, scale))  # an all-zero head: any scale gives zero codes
+
+    def quantize_after(self, x: torch.Tensor, prev: Packed) -> Packed:
+        check_kv_shape(x)
+        return self._packed(x, prev.tensors["scales"])
+
+    def _packed(self, x: torch.Tensor, scale: torch.Tensor) -> Packed:
+        codes = fused_or_eager(_fp8_encode, x, scale, self.fp8, tokens=x.shape[-2])
+        return Packed({"codes": codes, "scales": scale}, tuple(x.shape), x.dtype, {"shared": ("scales",)})
 
     def torch_dequantize(self, p: Packed) -> torch.Tensor:
         return _fp8_decode(p.tensors["codes"], p.tensors["scales"]).to(p.dtype)
@@ -390,13 +403,11 @@ class FP8(RowDecoded):
         return 8.0
 
 
-def _fp8_encode(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x: (B, H, T, D)`` -> ``codes: fp8 (B, H, T, D)`` and ``scales: fp32 (B, H)``."""
-    xf = x.float()
-    scale = xf.abs().amax((-2, -1)) / torch.finfo(fp8).max
-    scale = torch.where(scale == 0, 1.0, scale)  # an all-zero head: any scale gives zero codes
-    # |x / scale| <= max * (1 + 2**-22), which the cast rounds to max (not to inf/NaN): no clamp needed
-    return (xf / scale[..., None, None]).to(fp8), scale
+def _fp8_encode(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """``x: (B, H, T, D)``, ``scale: fp32 (B, H)`` -> ``codes: fp8 (B, H, T, D)``, saturated at ``±finfo.max``
+    (a later chunk may exceed the scale's absmax; e5m2's cast would give inf)."""
+    big = torch.finfo(fp8).max
+    return (x.float() / scale[..., None, None]).clamp_(-big, big).to(fp8)
 
 
 def _fp8_float(codes: torch.Tensor) -> torch.Tensor:

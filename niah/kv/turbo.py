@@ -28,14 +28,15 @@ Registered methods
     that arithmetic actually gives 2.25, and the paper gives no split for 3.5.  We use the split that makes
     the names exact and keeps the paper's bit widths: half the channels (``d/2``) at ``b+1`` bits and half at
     ``b`` bits, i.e. ``turbo2.5`` = ``d/2`` ch at 3 bits + ``d/2`` at 2 bits, ``turbo3.5`` = ``d/2`` at 4 +
-    ``d/2`` at 3.  Outlier rule: per (batch, KV head) and per quantized block, the ``d/2`` channels (in the
-    original, un-rotated basis) with the largest RMS over the block's tokens (ties to the lower channel
-    index).  Each group gets its own rotation (of dimension ``d/2``), its own codebook and its own fp16 norm,
-    so ``analytical_bits = b + 0.5 + 32/d``.  The channel choice is stored as a 1-bit mask, ``d`` bits per
-    (batch, head) per block: it is counted in ``nbytes`` but not in ``analytical_bits`` (it adds
-    ``1/tokens`` bits per value, e.g. 0.0002 for a 4096-token block, but a full bit per value on a block of a
-    single token, as in decode steps with ``residual = 0``).  Choosing per block keeps every :class:`Packed`
-    self-contained; the paper does not say how its outlier channels are picked.
+    ``d/2`` at 3.  Outlier rule (the paper does not say how its outlier channels are picked): per (batch, KV
+    head), the ``d/2`` channels (in the original, un-rotated basis) with the largest RMS over the tokens of
+    the layer's first stored block (the prefill, in the needle protocol; ties to the lower channel index),
+    kept for every later block of the layer (:meth:`quantize_after`).  Each group gets its own rotation (of
+    dimension ``d/2``), its own codebook and its own fp16 norm, so ``analytical_bits = b + 0.5 + 32/d``.
+    The channel choice is stored as a 1-bit mask, ``d`` bits per (batch, head), shared by the layer's blocks
+    and counted in the ``nbytes`` of each (about ``1/tokens`` bits per value on a block of ``tokens``), but not
+    in ``analytical_bits``.  Choosing once per layer lets one-token decode blocks merge like the other formats';
+    it makes the channels depend on which tokens the first block held.
 
 Rotations and seeds
 -------------------
@@ -663,6 +664,7 @@ class TurboQuantSplit(_Turbo):
     name: str = "turbo2.5"
     bits_hi: int = 3
     bits_lo: int = 2
+    tokenwise = True  # given the layer's outlier channels
 
     def analytical_bits(self, head_dim: int) -> float:
         return (self.bits_hi + self.bits_lo) / 2 + 32 / head_dim
@@ -695,11 +697,19 @@ class TurboQuantSplit(_Turbo):
         ms = x.float().square().mean(dim=-2)  # (B, H, d): mean square over the block's tokens (same order as RMS)
         top = torch.argsort(ms, dim=-1, descending=True, stable=True)[..., : d // 2]
         mask = torch.zeros(b, h, d, dtype=torch.uint8, device=x.device).scatter_(-1, top, 1)
-        tensors = {"outlier_mask": pack_bits(mask, 1)}
-        for part, bits, pi in self._halves(mask):
+        return self._packed(x, pack_bits(mask, 1))
+
+    def quantize_after(self, x: torch.Tensor, prev: Packed) -> Packed:
+        self._check(x)
+        return self._packed(x, prev.tensors["outlier_mask"])
+
+    def _packed(self, x: torch.Tensor, packed_mask: torch.Tensor) -> Packed:
+        """``x`` coded with the outlier channels of ``packed_mask: uint8 (B, H, d/8)``."""
+        tensors = {"outlier_mask": packed_mask}
+        for part, bits, pi in self._halves(unpack_bits(packed_mask, 1, x.shape[-1])):
             tensors[f"codes_{part}"], norm = _mse_encode(x, pi, bits)
             tensors[f"norm_{part}"] = _norm16(norm)
-        return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
+        return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name, "shared": ("outlier_mask",)})
 
     def _block(self, p: Packed) -> _CodeBlock:
         """A stage per half, the outliers' first, with their rotations stacked: ``(B, H, d, d)``."""
