@@ -372,16 +372,15 @@ class FP8(RowDecoded):
 
     def quantize(self, x: torch.Tensor) -> Packed:
         check_kv_shape(x)
-        xf = x.float()
-        scale = xf.abs().amax((-2, -1)) / torch.finfo(self.fp8).max
-        return self._packed(x, torch.where(scale == 0, 1.0, scale))  # an all-zero head: any scale gives zero codes
+        return self._packed(x, *fused_or_eager(_fp8_scale_and_encode, x, self.fp8, tokens=x.shape[-2]))
 
     def quantize_after(self, x: torch.Tensor, prev: Packed) -> Packed:
         check_kv_shape(x)
-        return self._packed(x, prev.tensors["scales"])
+        scale = prev.tensors["scales"]
+        return self._packed(x, fused_or_eager(_fp8_encode, x, scale, self.fp8, tokens=x.shape[-2]), scale)
 
-    def _packed(self, x: torch.Tensor, scale: torch.Tensor) -> Packed:
-        codes = fused_or_eager(_fp8_encode, x, scale, self.fp8, tokens=x.shape[-2])
+    @staticmethod
+    def _packed(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> Packed:
         return Packed({"codes": codes, "scales": scale}, tuple(x.shape), x.dtype, {"shared": ("scales",)})
 
     def torch_dequantize(self, p: Packed) -> torch.Tensor:
@@ -401,6 +400,13 @@ class FP8(RowDecoded):
 
     def analytical_bits(self, head_dim: int) -> float:
         return 8.0
+
+
+def _fp8_scale_and_encode(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: (B, H, T, D)`` -> ``codes: fp8 (B, H, T, D)`` and its scale ``absmax / finfo.max``: fp32 ``(B, H)``."""
+    scale = x.float().abs().amax((-2, -1)) / torch.finfo(fp8).max
+    scale = torch.where(scale == 0, 1.0, scale)  # an all-zero head: any scale gives zero codes
+    return _fp8_encode(x, scale, fp8), scale
 
 
 def _fp8_encode(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:

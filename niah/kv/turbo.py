@@ -657,6 +657,24 @@ class TurboQuantProd(_Turbo):
 _SIGNS = torch.tensor([-1.0, 1.0])  # the values of QJL sign bits 0 and 1
 
 
+@functools.lru_cache(maxsize=128)
+def _split_basis(seed: int, layer_idx: int, packed_mask: bytes, shape: tuple[int, int, int], device: str) -> torch.Tensor:
+    """``(B, H, d, d)`` float32: the outlier half's and then the regular half's own ``d/2``-dim rotations, each
+    placed in the columns of its channels (ascending), for the outlier mask whose :func:`pack_bits` bytes are
+    ``packed_mask`` (``shape = (B, H, d)``).  ``Pi x`` rotates each half of ``x``, and ``Pi^T`` puts each back in its
+    channels, so neither quantize nor reads gather or scatter channels.  Made once per layer and mask, not at
+    every read: one-off timing here, a one-token chunk's scores took ~390 us with it made per read."""
+    b, h, d = shape
+    k = d // 2
+    mask = unpack_bits(torch.frombuffer(bytearray(packed_mask), dtype=torch.uint8).view(b, h, -1), 1, d)
+    order = torch.argsort(1 - mask.to(torch.int8), dim=-1, stable=True)  # outliers first, each half ascending
+    halves = []
+    for part, channels in (("hi", order[..., :k]), ("lo", order[..., k:])):
+        rot = _layer_matrices(f"rot_{part}", seed, layer_idx, k, h, "cpu").expand(b, h, k, k)
+        halves.append(torch.zeros(b, h, k, d).scatter_(-1, channels.unsqueeze(-2).expand(b, h, k, k), rot))
+    return torch.cat(halves, dim=-2).to(device)
+
+
 @dataclass
 class TurboQuantSplit(_Turbo):
     """Fractional bits: the ``d/2`` highest-RMS channels at ``bits_hi``, the rest at ``bits_lo`` (MSE variant)."""
@@ -676,20 +694,17 @@ class TurboQuantSplit(_Turbo):
                 f"codes pack into whole bytes); got head_dim={head_dim}"
             )
 
-    def _halves(self, mask: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
-        """``[(part, bits, Pi)]`` of the outlier half (``"hi"``) and the regular half (``"lo"``) for ``mask: (B, H,
-        d)`` (1 on outlier channels).  ``Pi: (B, H, d/2, d)`` is the half's own ``d/2``-dim rotation placed in the
-        columns of its channels (ascending): ``Pi x`` rotates that half of ``x`` and ``Pi^T`` puts it back in its
-        channels, so no read gathers or scatters channels."""
-        b, h, d = mask.shape
-        k = d // 2
-        order = torch.argsort(1 - mask.to(torch.int8), dim=-1, stable=True)  # outliers first, each half ascending
-        halves = []
-        for part, bits, channels in (("hi", self.bits_hi, order[..., :k]), ("lo", self.bits_lo, order[..., k:])):
-            rot = self._matrices(f"rot_{part}", k, h, mask.device).expand(b, h, k, k)
-            pi = torch.zeros(b, h, k, d, device=mask.device).scatter_(-1, channels.unsqueeze(-2).expand(b, h, k, k), rot)
-            halves.append((part, bits, pi))
-        return halves
+    def _basis(self, packed_mask: torch.Tensor, d: int) -> torch.Tensor:
+        """:func:`_split_basis` for ``packed_mask: uint8 (B, H, d/8)`` (the stored outlier mask) in this layer."""
+        b, h, _ = packed_mask.shape
+        key = packed_mask.cpu().numpy().tobytes()
+        return _split_basis(self.seed, self.layer_idx, key, (b, h, d), str(packed_mask.device))
+
+    def _halves(self, basis: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
+        """``[(part, bits, Pi)]`` of the outlier half (``"hi"``) and the regular half (``"lo"``): ``Pi: (B, H, d/2,
+        d)``, the rows of ``basis`` (:meth:`_basis`) that are theirs."""
+        k = basis.shape[-1] // 2
+        return [("hi", self.bits_hi, basis[..., :k, :]), ("lo", self.bits_lo, basis[..., k:, :])]
 
     def quantize(self, x: torch.Tensor) -> Packed:
         self._check(x)
@@ -706,7 +721,7 @@ class TurboQuantSplit(_Turbo):
     def _packed(self, x: torch.Tensor, packed_mask: torch.Tensor) -> Packed:
         """``x`` coded with the outlier channels of ``packed_mask: uint8 (B, H, d/8)``."""
         tensors = {"outlier_mask": packed_mask}
-        for part, bits, pi in self._halves(unpack_bits(packed_mask, 1, x.shape[-1])):
+        for part, bits, pi in self._halves(self._basis(packed_mask, x.shape[-1])):
             tensors[f"codes_{part}"], norm = _mse_encode(x, pi, bits)
             tensors[f"norm_{part}"] = _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name, "shared": ("outlier_mask",)})
@@ -714,9 +729,9 @@ class TurboQuantSplit(_Turbo):
     def _block(self, p: Packed) -> _CodeBlock:
         """A stage per half, the outliers' first, with their rotations stacked: ``(B, H, d, d)``."""
         t, k = p.tensors, p.shape[-1] // 2
-        halves = self._halves(unpack_bits(t["outlier_mask"], 1, p.shape[-1]))
-        stages = tuple(_mse_stage(t[f"codes_{part}"], t[f"norm_{part}"], bits, k) for part, bits, _ in halves)
-        return _CodeBlock(stages, torch.cat([pi for _, _, pi in halves], dim=-2))
+        basis = self._basis(t["outlier_mask"], p.shape[-1])
+        stages = tuple(_mse_stage(t[f"codes_{part}"], t[f"norm_{part}"], bits, k) for part, bits, _ in self._halves(basis))
+        return _CodeBlock(stages, basis)
 
 
 for _b in (2, 3, 4):
