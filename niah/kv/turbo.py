@@ -224,21 +224,27 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return y, torch.linalg.vector_norm(y, dim=-1, keepdim=True)
 
 
-def _mse_encode(x: torch.Tensor, rot: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed codes, norm)`` of ``TurboQuant_mse``: the nearest centroids of ``y / ||y||``, ``y = Pi x``
-    (:func:`_rotate`), packed by :func:`pack_planes`, and ``||y||`` ``(B,H,T,1)``.  On the CPU, one numba pass
-    over ``x`` (:func:`_rotate_encoder`)."""
+def _mse_encode(x: torch.Tensor, stages: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(packed codes, norm)]`` of ``TurboQuant_mse`` for each ``(Pi, bits)`` of ``stages`` (one; or the split
+    variants' two halves): the nearest centroids of ``y / ||y||``, ``y = Pi x`` (:func:`_rotate`), packed by
+    :func:`pack_planes`, and ``||y||`` ``(B,H,T,1)``.  On the CPU, one numba pass over ``x`` for all stages
+    (:func:`_rotate_encoder`)."""
     if not rowkernels.usable(x):
-        y, norm = _rotate(x, rot)
-        return _encode(y, norm, bits), norm
+        rotated = [(*_rotate(x, rot), bits) for rot, bits in stages]
+        return [(_encode(y, norm, bits), norm) for y, norm, bits in rotated]
     b, h, t, d = x.shape
-    k = rot.shape[-2]
-    norm = torch.empty(b, h, t, 1)
-    packed = torch.empty(b, h, t, k * bits // 8, dtype=torch.uint8)
-    rot_t = rot.transpose(-1, -2).reshape(-1, d, k).contiguous().numpy()
-    rotate_encode = _rotate_encoder(bits, plane_run(k))
-    rotate_encode(rowkernels.rows(x.float()), rot_t, t, _codebook(k, bits, x.device).mids15, norm.view(-1, 1).numpy(), packed.view(-1, packed.shape[-1]).numpy())
-    return packed, norm
+    rows, args = rowkernels.rows(x.float()), []
+    for rot, bits in stages:
+        k = rot.shape[-2]
+        norm = torch.empty(b, h, t, 1)
+        packed = torch.empty(b, h, t, k * bits // 8, dtype=torch.uint8)
+        rot_t = rot.transpose(-1, -2).reshape(-1, d, k).contiguous().numpy()
+        args.append((rot_t, _codebook(k, bits, x.device).mids15, norm, packed))
+    (rot_t, mids, norm, packed), (rot2_t, mids2, norm2, packed2) = args[0], args[-1]
+    encode = _rotate_encoder(tuple(bits for _, bits in stages), plane_run(stages[0][0].shape[-2]))
+    encode(rows, t, rot_t, mids, norm.view(-1, 1).numpy(), packed.view(-1, packed.shape[-1]).numpy(),
+           rot2_t, mids2, norm2.view(-1, 1).numpy(), packed2.view(-1, packed2.shape[-1]).numpy())
+    return [(packed, norm) for _, _, norm, packed in args]
 
 
 def _encode(y: torch.Tensor, norm: torch.Tensor, bits: int) -> torch.Tensor:
@@ -300,24 +306,31 @@ _TILE = 1024  # rows per tile of _rotate_encoder: a 64-dim tile of x and its rot
 
 
 @functools.lru_cache(maxsize=None)
-def _rotate_encoder(bits: int, run: int):
-    """The CPU path of :func:`_mse_encode`: ``rotate_encode(x, rot_t, tokens, mids, norm, out)``, ``x: (R, d)``
-    float32 rows, ``tokens`` per (batch, head), ``rot_t: (N, d, k)`` the transposed matrices ``Pi`` per head
-    (``N = H``) or per (batch, head) (``N = B H``) -> ``norm: (R, 1)`` and ``out`` as in :func:`_row_encoder`.
+def _rotate_encoder(bits: tuple[int, ...], run: int):
+    """The CPU path of :func:`_mse_encode` for one stage (``bits = (b,)``) or two (the split variants' halves,
+    ``(b_hi, b_lo)``, each of ``k`` codes in runs of ``run``): ``encode(x, tokens, rot_t, mids, norm, out, rot2_t,
+    mids2, norm2, out2)``, ``x: (R, d)`` float32 rows, ``tokens`` per (batch, head), ``rot_t: (N, d, k)`` the
+    transposed matrices ``Pi`` per head (``N = H``) or per (batch, head) (``N = B H``) -> ``norm: (R, 1)`` and ``out``
+    as in :func:`_row_encoder`; the second stage's arguments likewise (a single stage passes its own again, unused).
     Per tile of :data:`_TILE` rows of one (batch, head), BLAS rotates the tile (``np.dot``, scipy's sgemm), and
-    the norms and codes are computed while it is in cache, instead of three passes over full-size tensors.  The
-    norms are float32 sums in numba's order (:func:`_sum_squares`): they can differ from torch's ``vector_norm``
-    in the last bit, which can move a code only where ``y / norm`` ties a midpoint.  One-off paired timing here,
-    16K x 3 x 64 at 3 bits: 6.4 ms against 9.0 for torch's matmul and norm followed by :func:`_row_encoder`."""
-    encode_tile = _tile_encoder(bits, run)
+    the norms and codes are computed while it is in cache, instead of three passes over full-size tensors; a
+    second stage rotates the same tile while it is in cache.  The norms are float32 sums in numba's order
+    (:func:`_sum_squares`): they can differ from torch's ``vector_norm`` in the last bit, which can move a code
+    only where ``y / norm`` ties a midpoint.  One-off paired timing here, 16K x 3 x 64 at 3 bits: 6.4 ms against
+    9.0 for torch's matmul and norm followed by :func:`_row_encoder`."""
+    encode_tile, encode_tile2 = _tile_encoder(bits[0], run), _tile_encoder(bits[-1], run)
+    two = len(bits) == 2
 
     @njit(nogil=True)
-    def rotate_encode(x, rot_t, tokens, mids, norm, out):
+    def rotate_encode(x, tokens, rot_t, mids, norm, out, rot2_t, mids2, norm2, out2):
         y = np.empty((_TILE, rot_t.shape[2]), np.float32)
         for first in range(0, x.shape[0], tokens):  # the rows of one (batch, head): rows are (B, H, T) flattened
-            pi_t = rot_t[first // tokens % rot_t.shape[0]]
+            head = first // tokens % rot_t.shape[0]
             for start in range(first, first + tokens, _TILE):
-                encode_tile(x, start, min(_TILE, first + tokens - start), pi_t, mids, y, norm, out)
+                n = min(_TILE, first + tokens - start)
+                encode_tile(x, start, n, rot_t[head], mids, y, norm, out)
+                if two:
+                    encode_tile2(x, start, n, rot2_t[head], mids2, y, norm2, out2)
 
     return rotate_encode
 
@@ -372,6 +385,27 @@ def _prod_encoder(bits: int, dim: int):
                 pack_signs(positive[:n], signs[start:start + n])
 
     return prod_encode
+
+
+def _channel_squares(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, d)`` float32: each channel's sum of squares over the tokens of ``x: (B, H, T, d)`` (ranks channels
+    as their RMS does).  On the CPU one numba pass that reads ``x`` once (one-off timing here, 16K x 3 x 64: 0.5 ms
+    against 2.4 for torch's ``square().mean(-2)``, which writes a squared copy)."""
+    if not rowkernels.usable(x):
+        return x.float().square().sum(dim=-2)
+    b, h, t, d = x.shape
+    out = np.zeros((b * h, d), np.float32)
+    _column_squares(rowkernels.rows(x.float()), t, out)
+    return torch.from_numpy(out).view(b, h, d)
+
+
+@njit(fastmath={"reassoc", "nsz"}, boundscheck=False, nogil=True)
+def _column_squares(x, tokens, out):
+    """``out[g, j] += sum of x[r, j]^2`` over the ``tokens`` rows ``r`` of each group ``g`` (a (batch, head))."""
+    for g in range(out.shape[0]):
+        for r in range(g * tokens, (g + 1) * tokens):
+            for j in range(x.shape[1]):
+                out[g, j] += x[r, j] * x[r, j]
 
 
 @njit(fastmath={"reassoc", "nsz"}, boundscheck=False, nogil=True)
@@ -588,7 +622,7 @@ class TurboQuantMSE(_Turbo):
     def quantize(self, x: torch.Tensor) -> Packed:
         self._check(x)
         b, h, t, d = x.shape
-        codes, norm = _mse_encode(x, self._matrices("rot", d, h, x.device), self.bits)
+        [(codes, norm)] = _mse_encode(x, [(self._matrices("rot", d, h, x.device), self.bits)])
         tensors = {"codes": codes, "norm": _norm16(norm)}
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
@@ -709,8 +743,7 @@ class TurboQuantSplit(_Turbo):
     def quantize(self, x: torch.Tensor) -> Packed:
         self._check(x)
         b, h, t, d = x.shape
-        ms = x.float().square().mean(dim=-2)  # (B, H, d): mean square over the block's tokens (same order as RMS)
-        top = torch.argsort(ms, dim=-1, descending=True, stable=True)[..., : d // 2]
+        top = torch.argsort(_channel_squares(x), dim=-1, descending=True, stable=True)[..., : d // 2]
         mask = torch.zeros(b, h, d, dtype=torch.uint8, device=x.device).scatter_(-1, top, 1)
         return self._packed(x, pack_bits(mask, 1))
 
@@ -721,9 +754,9 @@ class TurboQuantSplit(_Turbo):
     def _packed(self, x: torch.Tensor, packed_mask: torch.Tensor) -> Packed:
         """``x`` coded with the outlier channels of ``packed_mask: uint8 (B, H, d/8)``."""
         tensors = {"outlier_mask": packed_mask}
-        for part, bits, pi in self._halves(self._basis(packed_mask, x.shape[-1])):
-            tensors[f"codes_{part}"], norm = _mse_encode(x, pi, bits)
-            tensors[f"norm_{part}"] = _norm16(norm)
+        halves = self._halves(self._basis(packed_mask, x.shape[-1]))
+        for (part, _, _), (codes, norm) in zip(halves, _mse_encode(x, [(pi, bits) for _, bits, pi in halves])):
+            tensors[f"codes_{part}"], tensors[f"norm_{part}"] = codes, _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name, "shared": ("outlier_mask",)})
 
     def _block(self, p: Packed) -> _CodeBlock:
