@@ -429,8 +429,8 @@ def _fp8_row(e5m2: bool):
     exponent bias moved (7 or 15 to 127) by an integer add; a subnormal one (exponent 0) is ``m * 2**-9`` (e4m3) or
     ``m * 2**-16`` (e5m2); e5m2's top exponent is float32's (inf and NaN, as torch's cast; e4m3fn's NaN pattern
     0x7F decodes to 480, as :func:`_fp8_float` does: the encoder saturates and never writes it).  Selects instead
-    of a 256-entry table: a table load per value ran 1.5x as long (one-off timing here, scores over 16K x 3 x 64:
-    2.0 ms against 1.3 for q8_0).  Lanes of 32 values with a compile-time count, then the tail."""
+    of a 256-entry table: a table load per value took 1.30-1.35x as long (paired one-off timing here, scores over
+    16K x 3 x 64, same bits).  Lanes of 32 values with a compile-time count, then the tail."""
     mant, bias, sub = (2, 15, np.float32(2.0**-16)) if e5m2 else (3, 7, np.float32(2.0**-9))
     rebias = np.uint32((127 - bias) << 23)
 
