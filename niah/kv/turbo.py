@@ -132,6 +132,7 @@ class _Codebook:
         mids = (c[1:] + c[:-1]) / 2
         self.bits = bits
         self.centroids = torch.tensor(c, dtype=torch.float32, device=device)
+        self.table = torch.from_numpy(_padded(c, 16)).to(device)  # the centroids padded to 16: a stage's table
         self.mids = torch.tensor(mids, dtype=torch.float32, device=device)
         self.mid_list = [float(m) for m in self.mids]  # the float32 values, as python scalars
         self.mids15 = _padded(self.mids.cpu().numpy(), 15)  # for the CPU encoder (_row_encoder)
@@ -541,7 +542,7 @@ class _Stage(NamedTuple):
 
     codes: torch.Tensor  # uint8 (B, H, T, k * bits / 8), packed by pack_planes
     scale: torch.Tensor  # (B, H, T): fp16 norms, or float32
-    centroids: torch.Tensor  # float32 (2 ** bits,)
+    table: torch.Tensor  # float32 (16,): the value of each code, zero-padded to 16 (the row decoders read 16)
     bits: int
 
     @property
@@ -569,7 +570,7 @@ class _CodeBlock(NamedTuple):
 
     def _row_args(self) -> tuple:
         return tuple(
-            (rowkernels.rows(st.codes), rowkernels.rows(st.scale), _padded(st.centroids.numpy(), 16), plane_run(st.size))
+            (rowkernels.rows(st.codes), rowkernels.rows(st.scale), st.table.numpy(), plane_run(st.size))
             for st in self.stages
         )
 
@@ -581,7 +582,7 @@ class _CodeBlock(NamedTuple):
         come from :func:`unpack_planes`, then a table lookup."""
         if rowkernels.usable(self.stages[0].codes):
             return rowkernels.dequantize(self._decoder(), self._row_args(), (*self.stages[0].codes.shape[:-1], self.rot.shape[-2]))
-        parts = [st.centroids[unpack_planes(st.codes, st.bits, st.size).to(torch.int32)] * st.scale.float()[..., None] for st in self.stages]
+        parts = [st.table[unpack_planes(st.codes, st.bits, st.size).to(torch.int32)] * st.scale.float()[..., None] for st in self.stages]
         return torch.cat(parts, dim=-1)
 
     def dequantize(self) -> torch.Tensor:
@@ -605,7 +606,7 @@ class _CodeBlock(NamedTuple):
 
 
 def _mse_stage(codes: torch.Tensor, norm: torch.Tensor, bits: int, size: int) -> _Stage:
-    return _Stage(codes, norm, _codebook(size, bits, codes.device).centroids, bits)
+    return _Stage(codes, norm, _codebook(size, bits, codes.device).table, bits)
 
 
 @dataclass
@@ -671,7 +672,7 @@ class TurboQuantProd(_Turbo):
         matrices = [m.transpose(-1, -2).contiguous().numpy() for m in (rot, qjl)]
         outputs = [rowkernels.rows(o) for o in (norm, codes, rnorm.unsqueeze(-1), signs)]
         outputs[2] = outputs[2].reshape(-1)
-        _prod_encoder(mb, d)(rowkernels.rows(x.float()), *matrices, t, book.mids15, _padded(book.centroids.numpy(), 16), *outputs)
+        _prod_encoder(mb, d)(rowkernels.rows(x.float()), *matrices, t, book.mids15, book.table.numpy(), *outputs)
         return self._packed(x, codes, norm, signs, rnorm)
 
     def _packed(self, x: torch.Tensor, codes, norm, signs, rnorm) -> Packed:
@@ -688,7 +689,7 @@ class TurboQuantProd(_Turbo):
         return _CodeBlock(stages, _prod_basis(self.seed, self.layer_idx, d, h, str(codes.device)))
 
 
-_SIGNS = torch.tensor([-1.0, 1.0])  # the values of QJL sign bits 0 and 1
+_SIGNS = torch.from_numpy(_padded(np.array([-1.0, 1.0]), 16))  # the values of QJL sign bits 0 and 1, as a stage's table
 
 
 @functools.lru_cache(maxsize=128)
