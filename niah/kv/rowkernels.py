@@ -3,8 +3,8 @@
 A format supplies one ``@njit`` row decoder, ``decode_row(stored, r, out)``: it writes the ``D`` float32 values of
 stored row ``r`` (rows are ``(batch, kv_heads, tokens)`` flattened, token fastest) into ``out``, from ``stored``, a
 tuple of numpy arrays whose first dim indexes rows (codes, scales, norms) plus any tables and constants.
-:func:`kernels` turns it into three loops that decode each row into a small buffer that stays in L1 and use it
-at once:
+:func:`kernels` turns it into three loops that decode rows into a small buffer that stays in L1 (four rows at a
+time) and use them at once:
 
 * ``scores(stored, q, out)``: ``q: (BH, G, D)`` -> ``out: (BH, G, T)``, the dot product of every query head with
   every stored key;
@@ -48,37 +48,67 @@ class RowKernels(NamedTuple):
     dequantize: object
 
 
+_ROWS = 4  # stored rows decoded per iteration of the scores and weighted-sum loops, which name each of the four
+
+
 @functools.lru_cache(maxsize=None)
 def kernels(decode_row) -> RowKernels:
-    """The three loops of the module docstring for one row decoder (compiled lazily, at first call)."""
+    """The three loops of the module docstring for one row decoder (compiled lazily, at first call).
+
+    ``scores`` and ``weighted_sum`` decode four rows at a time and use each query element, or each
+    accumulator of the sum, for all of them at once: a weighted sum loads and stores its ``G x D`` accumulators
+    once per 4 rows instead of once per row.  Paired one-off timings here (16K x 3 x 64, 3 query heads per KV
+    head), 4 rows against 1: weighted sum 0.71-0.93x, scores 0.78-1.01x across q8_0, q4_0, fp8, KIVI and
+    TurboQuant; 8 rows gave no more."""
 
     @njit(**_JIT)
     def scores(stored, q, out):
         heads, groups, dim = q.shape
         tokens = out.shape[2]
-        row = np.empty(dim, np.float32)
+        whole = tokens - tokens % _ROWS
+        rows = np.empty((_ROWS, dim), np.float32)
         for h in range(heads):
-            for t in range(tokens):
-                decode_row(stored, h * tokens + t, row)
+            for t in range(0, whole, _ROWS):
+                for i in range(_ROWS):
+                    decode_row(stored, h * tokens + t + i, rows[i])
+                for g in range(groups):
+                    a0, a1, a2, a3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+                    for j in range(dim):
+                        qj = q[h, g, j]
+                        a0 += qj * rows[0, j]
+                        a1 += qj * rows[1, j]
+                        a2 += qj * rows[2, j]
+                        a3 += qj * rows[3, j]
+                    out[h, g, t], out[h, g, t + 1], out[h, g, t + 2], out[h, g, t + 3] = a0, a1, a2, a3
+            for t in range(whole, tokens):
+                decode_row(stored, h * tokens + t, rows[0])
                 for g in range(groups):
                     acc = np.float32(0.0)
                     for j in range(dim):
-                        acc += q[h, g, j] * row[j]
+                        acc += q[h, g, j] * rows[0, j]
                     out[h, g, t] = acc
 
     @njit(**_JIT)
     def weighted_sum(stored, w, out):
         heads, groups, tokens = w.shape
         dim = out.shape[2]
-        row = np.empty(dim, np.float32)
+        whole = tokens - tokens % _ROWS
+        rows = np.empty((_ROWS, dim), np.float32)
         out[:] = 0.0
         for h in range(heads):
-            for t in range(tokens):
-                decode_row(stored, h * tokens + t, row)
+            for t in range(0, whole, _ROWS):
+                for i in range(_ROWS):
+                    decode_row(stored, h * tokens + t + i, rows[i])
+                for g in range(groups):
+                    w0, w1, w2, w3 = w[h, g, t], w[h, g, t + 1], w[h, g, t + 2], w[h, g, t + 3]
+                    for j in range(dim):
+                        out[h, g, j] += w0 * rows[0, j] + w1 * rows[1, j] + w2 * rows[2, j] + w3 * rows[3, j]
+            for t in range(whole, tokens):
+                decode_row(stored, h * tokens + t, rows[0])
                 for g in range(groups):
                     wt = w[h, g, t]
                     for j in range(dim):
-                        out[h, g, j] += wt * row[j]
+                        out[h, g, j] += wt * rows[0, j]
 
     @njit(**_JIT)
     def dequantize(stored, out):
