@@ -225,27 +225,23 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return y, torch.linalg.vector_norm(y, dim=-1, keepdim=True)
 
 
-def _mse_encode(x: torch.Tensor, stages: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[(packed codes, norm)]`` of ``TurboQuant_mse`` for each ``(Pi, bits)`` of ``stages`` (one; or the split
-    variants' two halves): the nearest centroids of ``y / ||y||``, ``y = Pi x`` (:func:`_rotate`), packed by
-    :func:`pack_planes`, and ``||y||`` ``(B,H,T,1)``.  On the CPU, one numba pass over ``x`` for all stages
+def _mse_encode(x: torch.Tensor, basis: torch.Tensor, bits: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(packed codes, norm)]`` of ``TurboQuant_mse`` for each stage of ``bits`` (one; or the split variants'
+    two halves), stage ``s`` coding the ``k`` coordinates ``s k .. (s + 1) k - 1`` of ``y = Pi x``, ``Pi = basis:
+    (H, K, d)`` or ``(B, H, K, d)``, ``K = k len(bits)``: the nearest centroids of ``y_s / ||y_s||``, packed by
+    :func:`pack_planes`, and ``||y_s||`` ``(B,H,T,1)``.  On the CPU, one numba pass over ``x`` for all stages
     (:func:`_rotate_encoder`)."""
+    k = basis.shape[-2] // len(bits)
     if not rowkernels.usable(x):
-        rotated = [(*_rotate(x, rot), bits) for rot, bits in stages]
-        return [(_encode(y, norm, bits), norm) for y, norm, bits in rotated]
+        rotated = [(*_rotate(x, basis[..., s * k:(s + 1) * k, :]), b) for s, b in enumerate(bits)]
+        return [(_encode(y, norm, b), norm) for y, norm, b in rotated]
     b, h, t, d = x.shape
-    rows, args = rowkernels.rows(x.float()), []
-    for rot, bits in stages:
-        k = rot.shape[-2]
-        norm = torch.empty(b, h, t, 1)
-        packed = torch.empty(b, h, t, k * bits // 8, dtype=torch.uint8)
-        rot_t = rot.transpose(-1, -2).reshape(-1, d, k).contiguous().numpy()
-        args.append((rot_t, _codebook(k, bits, x.device).mids15, norm, packed))
-    (rot_t, mids, norm, packed), (rot2_t, mids2, norm2, packed2) = args[0], args[-1]
-    encode = _rotate_encoder(tuple(bits for _, bits in stages), plane_run(stages[0][0].shape[-2]))
-    encode(rows, t, rot_t, mids, norm.view(-1, 1).numpy(), packed.view(-1, packed.shape[-1]).numpy(),
-           rot2_t, mids2, norm2.view(-1, 1).numpy(), packed2.view(-1, packed2.shape[-1]).numpy())
-    return [(packed, norm) for _, _, norm, packed in args]
+    out = [(torch.empty(b, h, t, 1), torch.empty(b, h, t, k * n // 8, dtype=torch.uint8)) for n in bits]
+    args = [(_codebook(k, n, x.device).mids15, norm.view(-1, 1).numpy(), codes.view(-1, codes.shape[-1]).numpy())
+            for n, (norm, codes) in zip(bits, out)]
+    rot_t = basis.transpose(-1, -2).reshape(-1, d, basis.shape[-2]).contiguous().numpy()
+    _rotate_encoder(bits, plane_run(k))(rowkernels.rows(x.float()), t, rot_t, *args[0], *args[-1])
+    return [(codes, norm) for norm, codes in out]
 
 
 def _encode(y: torch.Tensor, norm: torch.Tensor, bits: int) -> torch.Tensor:
@@ -257,9 +253,9 @@ def _encode(y: torch.Tensor, norm: torch.Tensor, bits: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _row_encoder(bits: int, run: int):
     """The CPU encoder of ``bits``-bit codes (1 to 4) in runs of ``run``, compile-time constants as in
-    :func:`_planes_reader`: ``encode(y, norm, mids, out)``, ``y: (R, d)`` rotated rows, ``norm: (R, 1)``, ``mids``
-    the codebook's midpoints padded to 15 -> ``out: uint8 (R, d * bits / 8)`` in the bit planes of
-    :func:`pack_planes`.  The code of ``u = y / norm`` is the number of midpoints below it (``torch.bucketize``:
+    :func:`_planes_reader`: ``encode(y, col, k, norm, mids, out)``, ``y: (R, K)`` rotated rows of which the ``k``
+    columns from ``col`` are coded, ``norm: (R, 1)``, ``mids`` the codebook's midpoints padded to 15 -> ``out: uint8
+    (R, k * bits / 8)`` in the bit planes of :func:`pack_planes`.  The code of ``u = y / norm`` is the number of midpoints below it (``torch.bucketize``:
     the nearest centroid, ties to the lower one), found bit by bit, top bit first: bit ``k`` is ``u > m`` for
     the midpoint that splits the codes left by the bits above it.  That is ``bits`` comparisons and a tree of
     selects per value, which LLVM vectorizes (1.7-2.5x faster than counting all ``2^bits - 1`` midpoints for 2
@@ -267,15 +263,18 @@ def _row_encoder(bits: int, run: int):
     bit for bit."""
 
     @njit(boundscheck=False, nogil=True)
-    def encode(y, norm, mids, out):
+    def encode(y, col, k, norm, mids, out):
         m0, m1, m2, m3, m4, m5, m6, m7 = mids[0], mids[1], mids[2], mids[3], mids[4], mids[5], mids[6], mids[7]
         m8, m9, m10, m11, m12, m13, m14 = mids[8], mids[9], mids[10], mids[11], mids[12], mids[13], mids[14]
-        for r in range(y.shape[0]):
+        for r in range(out.shape[0]):
             n = max(norm[r, 0], np.float32(_TINY))
-            for block in range(y.shape[1] // run):
+            # the row sliced once and the block count passed in: with the offset in every index, or the count
+            # worked out from an array's shape here, this loop ran 3x slower (one-off timings)
+            row = y[r, col:]
+            for block in range(k // run):
                 w0, w1, w2, w3 = np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
                 for j in range(run):
-                    u = y[r, block * run + j] / n
+                    u = row[block * run + j] / n
                     # bottom-up trees of selects, each level in its own temporaries: written as one nested
                     # expression, LLVM turned the 4-bit tree into branches (20x slower)
                     b1 = b2 = b3 = False
@@ -309,47 +308,39 @@ _TILE = 1024  # rows per tile of _rotate_encoder: a 64-dim tile of x and its rot
 @functools.lru_cache(maxsize=None)
 def _rotate_encoder(bits: tuple[int, ...], run: int):
     """The CPU path of :func:`_mse_encode` for one stage (``bits = (b,)``) or two (the split variants' halves,
-    ``(b_hi, b_lo)``, each of ``k`` codes in runs of ``run``): ``encode(x, tokens, rot_t, mids, norm, out, rot2_t,
-    mids2, norm2, out2)``, ``x: (R, d)`` float32 rows, ``tokens`` per (batch, head), ``rot_t: (N, d, k)`` the
-    transposed matrices ``Pi`` per head (``N = H``) or per (batch, head) (``N = B H``) -> ``norm: (R, 1)`` and ``out``
-    as in :func:`_row_encoder`; the second stage's arguments likewise (a single stage passes its own again, unused).
-    Per tile of :data:`_TILE` rows of one (batch, head), BLAS rotates the tile (``np.dot``, scipy's sgemm), and
-    the norms and codes are computed while it is in cache, instead of three passes over full-size tensors; a
-    second stage rotates the same tile while it is in cache.  The norms are float32 sums in numba's order
-    (:func:`_sum_squares`): they can differ from torch's ``vector_norm`` in the last bit, which can move a code
-    only where ``y / norm`` ties a midpoint.  One-off paired timing here, 16K x 3 x 64 at 3 bits: 6.4 ms against
-    9.0 for torch's matmul and norm followed by :func:`_row_encoder`."""
-    encode_tile, encode_tile2 = _tile_encoder(bits[0], run), _tile_encoder(bits[-1], run)
+    ``(b_hi, b_lo)``), each of ``k`` codes in runs of ``run``: ``encode(x, tokens, rot_t, mids, norm, out, mids2,
+    norm2, out2)``, ``x: (R, d)`` float32 rows, ``tokens`` per (batch, head), ``rot_t: (N, d, K)`` the transposed
+    matrices ``Pi`` per head (``N = H``) or per (batch, head) (``N = B H``), ``K = k len(bits)`` -> ``norm: (R, 1)``
+    and ``out`` as in :func:`_row_encoder`; the second stage's arguments likewise (a single stage passes its own
+    again, unused).  Per tile of :data:`_TILE` rows of one (batch, head), BLAS rotates the tile (``np.dot``,
+    scipy's sgemm) once for all stages, and each stage's norms and codes are computed from its columns while the
+    tile is in cache, instead of three passes over full-size tensors.  The norms are float32 sums in numba's
+    order (:func:`_sum_squares`): they can differ from torch's ``vector_norm`` in the last bit, which can move a
+    code only where ``y / norm`` ties a midpoint.  One-off timings here, 16K x 3 x 64: 6.4 ms against 9.0 for
+    torch's matmul and norm followed by :func:`_row_encoder` at 3 bits; the split variants' two stages (3 and 2
+    bits) 7.6 ms against 7.7 for one 3-bit stage over the same product."""
+    encode, encode2 = _row_encoder(bits[0], run), _row_encoder(bits[-1], run)
     two = len(bits) == 2
 
     @njit(nogil=True)
-    def rotate_encode(x, tokens, rot_t, mids, norm, out, rot2_t, mids2, norm2, out2):
+    def rotate_encode(x, tokens, rot_t, mids, norm, out, mids2, norm2, out2):
         y = np.empty((_TILE, rot_t.shape[2]), np.float32)
+        k = rot_t.shape[2] // 2 if two else rot_t.shape[2]
         for first in range(0, x.shape[0], tokens):  # the rows of one (batch, head): rows are (B, H, T) flattened
             head = first // tokens % rot_t.shape[0]
             for start in range(first, first + tokens, _TILE):
                 n = min(_TILE, first + tokens - start)
-                encode_tile(x, start, n, rot_t[head], mids, y, norm, out)
+                np.dot(x[start:start + n], rot_t[head], y[:n])
+                for i in range(n):
+                    squares, squares2 = _sum_squares(y, i, k)
+                    norm[start + i, 0] = np.sqrt(squares)
+                    if two:
+                        norm2[start + i, 0] = np.sqrt(squares2)
+                encode(y[:n], 0, k, norm[start:start + n], mids, out[start:start + n])
                 if two:
-                    encode_tile2(x, start, n, rot2_t[head], mids2, y, norm2, out2)
+                    encode2(y[:n], k, k, norm2[start:start + n], mids2, out2[start:start + n])
 
     return rotate_encode
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_encoder(bits: int, run: int):
-    """``encode_tile(x, start, n, pi_t, mids, y, norm, out)``: rows ``start .. start + n - 1`` of ``x`` rotated into
-    ``y[:n]`` (``np.dot`` with ``pi_t: (d, k)``), their norms and their codes (:func:`_row_encoder`) written."""
-    encode = _row_encoder(bits, run)
-
-    @njit(nogil=True)
-    def encode_tile(x, start, n, pi_t, mids, y, norm, out):
-        np.dot(x[start:start + n], pi_t, y[:n])
-        for i in range(n):
-            norm[start + i, 0] = np.sqrt(_sum_squares(y, i))
-        encode(y[:n], norm[start:start + n], mids, out[start:start + n])
-
-    return encode_tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,7 +353,7 @@ def _prod_encoder(bits: int, dim: int):
     the signs of its sketch (a second ``np.dot``), while the tile is in cache; the torch path makes a dozen passes
     over full-size tensors instead."""
     run = plane_run(dim)
-    encode_tile, read, pack_signs = _tile_encoder(bits, run), _stage_reader(bits, dim), rowkernels.plane_packer(1, run)
+    encode, read, pack_signs = _row_encoder(bits, run), _stage_reader(bits, dim), rowkernels.plane_packer(1, run)
 
     @njit(nogil=True)
     def prod_encode(x, rot_t, qjl_t, tokens, mids, table, norm, codes, rnorm, signs):
@@ -372,13 +363,16 @@ def _prod_encoder(bits: int, dim: int):
             head = first // tokens % rot_t.shape[0]
             for start in range(first, first + tokens, _TILE):
                 n = min(_TILE, first + tokens - start)
-                encode_tile(x, start, n, rot_t[head], mids, y, norm, codes)
+                np.dot(x[start:start + n], rot_t[head], y[:n])
+                for i in range(n):
+                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i, dim)[0])
+                encode(y[:n], 0, dim, norm[start:start + n], mids, codes[start:start + n])
                 for i in range(n):
                     read(codes, np.float32(1.0), table, run, start + i, u_hat, 0)  # c(codes), unit scale
                     unit = max(norm[start + i, 0], np.float32(_TINY))
                     for j in range(dim):
                         res[i, j] = y[i, j] / unit - u_hat[j]
-                    rnorm[start + i] = np.sqrt(_sum_squares(res, i))
+                    rnorm[start + i] = np.sqrt(_sum_squares(res, i, dim)[0])
                 np.dot(res[:n], qjl_t[head], sketch[:n])
                 for i in range(n):
                     for j in range(dim):
@@ -410,13 +404,18 @@ def _column_squares(x, tokens, out):
 
 
 @njit(fastmath={"reassoc", "nsz"}, boundscheck=False, nogil=True)
-def _sum_squares(x, r):
-    """``sum_j x[r, j]^2`` in float32, vectorized (reassociated).  Called, not inlined by numba: LLVM inlines it
-    and keeps its fast-math flags, while numba's own inlining would compile it under the caller's (none)."""
-    acc = np.float32(0.0)
-    for j in range(x.shape[1]):
-        acc += x[r, j] * x[r, j]
-    return acc
+def _sum_squares(x, r, k):
+    """``(sum_{j < k} x[r, j]^2, sum_{j >= k} x[r, j]^2)`` in float32, vectorized (reassociated).  Each half is a
+    slice of the row, looped from 0: a loop ``range(k, d)`` over the row itself made the split variants' encode
+    1.3x slower (one-off timing here, 10.0 ms against 7.6).  Called, not inlined by numba: LLVM inlines it and
+    keeps its fast-math flags, while numba's own inlining would compile it under the caller's (none)."""
+    head, tail = x[r, :k], x[r, k:]
+    first, second = np.float32(0.0), np.float32(0.0)
+    for j in range(head.shape[0]):
+        first += head[j] * head[j]
+    for j in range(tail.shape[0]):
+        second += tail[j] * tail[j]
+    return first, second
 
 
 @dataclass
@@ -623,7 +622,7 @@ class TurboQuantMSE(_Turbo):
     def quantize(self, x: torch.Tensor) -> Packed:
         self._check(x)
         b, h, t, d = x.shape
-        [(codes, norm)] = _mse_encode(x, [(self._matrices("rot", d, h, x.device), self.bits)])
+        [(codes, norm)] = _mse_encode(x, self._matrices("rot", d, h, x.device), (self.bits,))
         tensors = {"codes": codes, "norm": _norm16(norm)}
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name})
 
@@ -735,11 +734,11 @@ class TurboQuantSplit(_Turbo):
         key = packed_mask.cpu().numpy().tobytes()
         return _split_basis(self.seed, self.layer_idx, key, (b, h, d), str(packed_mask.device))
 
-    def _halves(self, basis: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
-        """``[(part, bits, Pi)]`` of the outlier half (``"hi"``) and the regular half (``"lo"``): ``Pi: (B, H, d/2,
-        d)``, the rows of ``basis`` (:meth:`_basis`) that are theirs."""
-        k = basis.shape[-1] // 2
-        return [("hi", self.bits_hi, basis[..., :k, :]), ("lo", self.bits_lo, basis[..., k:, :])]
+    @property
+    def _parts(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        """``(part, bits)`` of the outlier half (``"hi"``, the first ``d/2`` rows of the basis) and the regular
+        half (``"lo"``)."""
+        return ("hi", self.bits_hi), ("lo", self.bits_lo)
 
     def quantize(self, x: torch.Tensor) -> Packed:
         self._check(x)
@@ -755,8 +754,8 @@ class TurboQuantSplit(_Turbo):
     def _packed(self, x: torch.Tensor, packed_mask: torch.Tensor) -> Packed:
         """``x`` coded with the outlier channels of ``packed_mask: uint8 (B, H, d/8)``."""
         tensors = {"outlier_mask": packed_mask}
-        halves = self._halves(self._basis(packed_mask, x.shape[-1]))
-        for (part, _, _), (codes, norm) in zip(halves, _mse_encode(x, [(pi, bits) for _, bits, pi in halves])):
+        coded = _mse_encode(x, self._basis(packed_mask, x.shape[-1]), (self.bits_hi, self.bits_lo))
+        for (part, _), (codes, norm) in zip(self._parts, coded):
             tensors[f"codes_{part}"], tensors[f"norm_{part}"] = codes, _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name, "shared": ("outlier_mask",)})
 
@@ -764,7 +763,7 @@ class TurboQuantSplit(_Turbo):
         """A stage per half, the outliers' first, with their rotations stacked: ``(B, H, d, d)``."""
         t, k = p.tensors, p.shape[-1] // 2
         basis = self._basis(t["outlier_mask"], p.shape[-1])
-        stages = tuple(_mse_stage(t[f"codes_{part}"], t[f"norm_{part}"], bits, k) for part, bits, _ in self._halves(basis))
+        stages = tuple(_mse_stage(t[f"codes_{part}"], t[f"norm_{part}"], bits, k) for part, bits in self._parts)
         return _CodeBlock(stages, basis)
 
 
