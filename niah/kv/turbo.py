@@ -332,10 +332,9 @@ def _rotate_encoder(bits: tuple[int, ...], run: int):
                 n = min(_TILE, first + tokens - start)
                 np.dot(x[start:start + n], rot_t[head], y[:n])
                 for i in range(n):
-                    squares, squares2 = _sum_squares(y, i, k)
-                    norm[start + i, 0] = np.sqrt(squares)
+                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i, 0, k))
                     if two:
-                        norm2[start + i, 0] = np.sqrt(squares2)
+                        norm2[start + i, 0] = np.sqrt(_sum_squares(y, i, k, 2 * k))
                 encode(y[:n], 0, k, norm[start:start + n], mids, out[start:start + n])
                 if two:
                     encode2(y[:n], k, k, norm2[start:start + n], mids2, out2[start:start + n])
@@ -365,14 +364,14 @@ def _prod_encoder(bits: int, dim: int):
                 n = min(_TILE, first + tokens - start)
                 np.dot(x[start:start + n], rot_t[head], y[:n])
                 for i in range(n):
-                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i, dim)[0])
+                    norm[start + i, 0] = np.sqrt(_sum_squares(y, i, 0, dim))
                 encode(y[:n], 0, dim, norm[start:start + n], mids, codes[start:start + n])
                 for i in range(n):
                     read(codes, np.float32(1.0), table, run, start + i, u_hat, 0)  # c(codes), unit scale
                     unit = max(norm[start + i, 0], np.float32(_TINY))
                     for j in range(dim):
                         res[i, j] = y[i, j] / unit - u_hat[j]
-                    rnorm[start + i] = np.sqrt(_sum_squares(res, i, dim)[0])
+                    rnorm[start + i] = np.sqrt(_sum_squares(res, i, 0, dim))
                 np.dot(res[:n], qjl_t[head], sketch[:n])
                 for i in range(n):
                     for j in range(dim):
@@ -404,18 +403,16 @@ def _column_squares(x, tokens, out):
 
 
 @njit(fastmath={"reassoc", "nsz"}, boundscheck=False, nogil=True)
-def _sum_squares(x, r, k):
-    """``(sum_{j < k} x[r, j]^2, sum_{j >= k} x[r, j]^2)`` in float32, vectorized (reassociated).  Each half is a
-    slice of the row, looped from 0: a loop ``range(k, d)`` over the row itself made the split variants' encode
-    1.3x slower (one-off timing here, 10.0 ms against 7.6).  Called, not inlined by numba: LLVM inlines it and
-    keeps its fast-math flags, while numba's own inlining would compile it under the caller's (none)."""
-    head, tail = x[r, :k], x[r, k:]
-    first, second = np.float32(0.0), np.float32(0.0)
-    for j in range(head.shape[0]):
-        first += head[j] * head[j]
-    for j in range(tail.shape[0]):
-        second += tail[j] * tail[j]
-    return first, second
+def _sum_squares(x, r, lo, hi):
+    """``sum of x[r, j]^2`` over ``lo <= j < hi`` in float32, vectorized (reassociated), over a slice of the row:
+    a loop ``range(lo, hi)`` over the row itself made the split variants' encode 1.3x slower (one-off timing here,
+    10.0 ms against 7.6).  Called, not inlined by numba: LLVM inlines it and keeps its fast-math flags, while
+    numba's own inlining would compile it under the caller's (none)."""
+    row = x[r, lo:hi]
+    acc = np.float32(0.0)
+    for j in range(row.shape[0]):
+        acc += row[j] * row[j]
+    return acc
 
 
 @dataclass
