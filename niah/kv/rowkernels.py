@@ -48,7 +48,7 @@ class RowKernels(NamedTuple):
     dequantize: object
 
 
-_ROWS = 4  # stored rows decoded per iteration of the scores and weighted-sum loops, which name each of the four
+_ROWS = 4  # stored rows decoded per iteration of scores and weighted_sum (their loop bodies name each of them)
 
 
 @functools.lru_cache(maxsize=None)
