@@ -5,8 +5,9 @@ allocations of the whole cache at every step) and then attends.  Here each store
 its own (:meth:`KVQuantizer.scores`, :meth:`KVQuantizer.weighted_sum`), and the softmax runs over the joined
 scores:
 
-* on the CPU, every quantized format runs the numba loops of :mod:`niah.kv.rowkernels`: each stored vector is
-  decoded into a buffer that stays in L1 and used at once, so a step reads the codes, not a full-precision copy.
+* on the CPU, every quantized format runs the numba loops of :mod:`niah.kv.rowkernels`: stored vectors are
+  decoded, four at a time, into a buffer that stays in L1 and used at once, so a step reads the codes, not a
+  full-precision copy.
   TurboQuant works in its rotated basis: ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so
   ``q . k = (Pi q) . (||k|| c)``; the query is rotated once per step and the weighted sum of values rotated back
   once (``_prod`` adds its QJL sketch the same way, in the basis of ``S``).
