@@ -169,10 +169,6 @@ class _Codebook:
         codes += torch.index_select(self.lut_mid, 0, cell) < flat
         return codes.view(y.shape)
 
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """Centroid values (float32) of unpacked codes."""
-        return torch.index_select(self.centroids, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
-
 
 def _padded(values: np.ndarray, size: int) -> np.ndarray:
     """float32 ``values`` followed by zeros up to ``size``: the numba coders read a fixed number of entries
@@ -751,7 +747,7 @@ class TurboQuantSplit(_Turbo):
     def _packed(self, x: torch.Tensor, packed_mask: torch.Tensor) -> Packed:
         """``x`` coded with the outlier channels of ``packed_mask: uint8 (B, H, d/8)``."""
         tensors = {"outlier_mask": packed_mask}
-        coded = _mse_encode(x, self._basis(packed_mask, x.shape[-1]), (self.bits_hi, self.bits_lo))
+        coded = _mse_encode(x, self._basis(packed_mask, x.shape[-1]), tuple(bits for _, bits in self._parts))
         for (part, _), (codes, norm) in zip(self._parts, coded):
             tensors[f"codes_{part}"], tensors[f"norm_{part}"] = codes, _norm16(norm)
         return Packed(tensors, tuple(x.shape), x.dtype, {"method": self.name, "shared": ("outlier_mask",)})
