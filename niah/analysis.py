@@ -55,12 +55,12 @@ def sweep_fits(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 def at_lengths(sweep: pd.DataFrame, lengths=(4096, 8192, 16384), ref: str = "fp16") -> pd.DataFrame:
-    """Bytes per token, ratio to the reference, and TPOT ratio to the reference at the marked lengths."""
+    """Bytes per token, ratio to the reference, and TPOT ratio to the reference (paired round by round in the
+    sweep, :func:`niah.sweep._paired_tpot`) at the marked lengths."""
     ok = sweep[(sweep["status"] == "ok") & sweep["length"].isin(lengths)].copy()
     ok["bytes_per_token"] = ok["kv_bytes"] / ok["length"]
     base = ok[ok["method"] == ref].set_index("length")
     ok["bytes_vs_ref"] = ok["kv_bytes"] / ok["length"].map(base["kv_bytes"])
-    ok["tpot_vs_ref"] = ok["tpot_median_s"] / ok["length"].map(base["tpot_median_s"])
     cols = ["method", "length", "bytes_per_token", "bits_per_value", "bytes_vs_ref", "tpot_median_s", "tpot_vs_ref", "score", "kl_vs_ref"]
     return ok[[c for c in cols if c in ok]].sort_values(["length", "bytes_per_token"])
 

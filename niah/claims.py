@@ -219,9 +219,9 @@ def s0_13(ev):
     if not len(ref) or not len(q8):
         return _missing("fp16 and q8_0 sweep rows")
     L = min(ref["length"].max(), q8["length"].max())
-    ratio = float(q8.set_index("length").loc[L, "tpot_median_s"] / ref.set_index("length").loc[L, "tpot_median_s"])
+    ratio = float(q8.set_index("length").loc[L, "tpot_vs_ref"])  # paired with fp16's steps, round by round
     verdict = "supported" if ratio <= 0.85 else ("refuted" if ratio >= 1.0 else "partly")
-    return f"q8_0 TPOT / fp16 TPOT at {L} tokens = {ratio:.2f} (this repo's packed cache: q8_0 attended from its codes, fp16 cast to fp32 at each step)", verdict
+    return f"q8_0 TPOT / fp16 TPOT at {L} tokens = {ratio:.2f}, paired step by step (this repo's packed cache: q8_0 attended from its codes, fp16 cast to fp32 at each step)", verdict
 
 
 def s0_14(ev):

@@ -11,7 +11,8 @@ method the sweep records:
   memory trace sampled at ``sweep.hz`` during quantization and decode, kept in the row;
 * TPOT: median and p90 over ``sweep.decode_steps`` greedy decode steps on the real decode path
   (``keep_dequantized=False``: every step reads the whole stored cache, chunk by chunk, through
-  :mod:`niah.kv.attend`);
+  :mod:`niah.kv.attend`), timed with the methods' steps interleaved, and its ratio to the reference method
+  paired round by round (:func:`_paired_tpot`);
 * retrieval of the needle (once the step is long enough to hold it) and KL against the reference method.
 
 Rows are keyed by (config, model, method, length); a killed sweep resumes where it stopped.  A step
@@ -62,18 +63,44 @@ def sweep_settings(cfg: dict) -> dict:
 
 
 @torch.no_grad()
-def _timed_decode(model, cache, first_token: int, steps: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and seconds of each of ``steps`` decode steps (never stopping early)."""
+def _decode_step(model, cache, token: int) -> tuple[int, float]:
+    """One greedy decode step after ``token``: the next token and the step's seconds."""
     device = next(model.parameters()).device
-    tokens, times = [first_token], []
+    t0 = time.perf_counter()
+    out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True)
+    nxt = int(out.logits[0, -1].argmax())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return nxt, time.perf_counter() - t0
+
+
+def _greedy(model, cache, first_token: int, steps: int) -> list[int]:
+    """``first_token`` and the ``steps`` greedy tokens after it (never stopping early)."""
+    tokens = [first_token]
     for _ in range(steps):
-        t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache, use_cache=True)
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return tokens, times
+        tokens.append(_decode_step(model, cache, tokens[-1])[0])
+    return tokens
+
+
+def _paired_tpot(lm, kv, methods: dict, first: dict[str, int], steps: int, ref: str) -> dict[str, dict]:
+    """TPOT of every method in ``methods`` (name -> quantizer, the reference ``ref`` among them) at the context
+    ``kv``, from ``steps`` rounds of decode steps: each round runs one step of every method on its own freshly
+    stored cache, from its token ``first[name]``, in an order rotated every round.  ``tpot_vs_ref`` is the median
+    over rounds of the method's step over the reference's step of the same round: the two ran a second or less
+    apart, so a slow spell of a shared machine moves both (timed method after method, ratios at 16K moved by
+    up to 1.4x between runs).  Returns per method ``tpot_median_s``, ``tpot_p90_s`` and ``tpot_vs_ref``."""
+    caches = {n: PackedCache.from_kv(kv, m, keep_dequantized=False, fused_decode=True) for n, m in methods.items()}
+    tokens, times, names = dict(first), {n: [] for n in methods}, list(methods)
+    with fused_decoding(lm.model):
+        for r in range(steps):
+            for n in names[r % len(names):] + names[: r % len(names)]:
+                tokens[n], seconds = _decode_step(lm.model, caches[n], tokens[n])
+                times[n].append(seconds)
+    return {
+        n: {"tpot_median_s": statistics.median(ts), "tpot_p90_s": _percentile(ts, 0.9),
+            "tpot_vs_ref": statistics.median([t / t_ref for t, t_ref in zip(ts, times[ref])])}
+        for n, ts in times.items()
+    }
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -129,7 +156,7 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
             continue
         kv = context_kv(cache)
         probe = L >= probe_from
-        answers = {}
+        answers, firsts, rows = {}, {}, {}
         for name in [ref] + [m for m in todo if m != ref]:
             row = {**base, "method": name, "length": L}
             try:
@@ -139,22 +166,28 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
                     table.append({**row, "status": "oom", "reason": str(err)[:300]})
                     bar.update(1)
                 continue
-            answers[name] = row.pop("_answer")
-            if name not in todo:
-                continue
-            if probe:
+            answers[name], firsts[name] = row.pop("_answer"), row.pop("_first")
+            if probe and ref in answers:
                 row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(answers[ref].answer_logsoftmax, answers[name].answer_logsoftmax)
                 row["score"] = string_match_all(row["generated"], cell.expected)
             row["ttft_s"] = ttft + row["quantize_s"]
             row["prefill_s"] = ttft
-            table.append(row)
+            rows[name] = row
+        try:
+            paired = _paired_tpot(lm, kv, {n: methods[n] for n in rows}, firsts, s["decode_steps"], ref) if ref in rows else {}
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            rows = {n: {**row, "status": "oom", "reason": f"paired decode of {len(rows)} caches at once: {str(err)[:250]}"} for n, row in rows.items()}
+            paired = {}
+        for name in [n for n in rows if n in todo]:
+            table.append({**rows[name], **paired.get(name, {})})
             bar.update(1)
     bar.close()
     return out_path
 
 
 def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
-    """Store, probe and decode one step for one method; the numbers of one sweep row."""
+    """Store, probe and decode one step for one method, with its memory trace; the numbers of one sweep row but
+    TPOT (:func:`_paired_tpot`), and its first decode token (``_first``)."""
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     sampler = MemorySampler(hz=s["hz"], source="cuda" if cuda else "rss").start()
@@ -165,18 +198,17 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
         nbytes = stored.nbytes()
         with fused_decoding(lm.model):
             answer = ask(lm.model, lm.tokenizer, stored, cell.question_ids, cell.answer_ids, 1)
-            first = lm.tokenizer.encode(answer.text, add_special_tokens=False)[:1] or [lm.tokenizer.eos_token_id]
-            tokens, steps = _timed_decode(lm.model, stored, first[0], s["decode_steps"])
+            first = (lm.tokenizer.encode(answer.text, add_special_tokens=False)[:1] or [lm.tokenizer.eos_token_id])[0]
+            tokens = _greedy(lm.model, stored, first, s["decode_steps"])
     finally:
         sampler.stop()
     values = kv[0][0].shape[1] * kv[0][0].shape[3] * 2 * len(kv) * kv[0][0].shape[2]
     return {
-        "status": "ok", "reason": "", "_answer": answer, "probe": probe,
+        "status": "ok", "reason": "", "_answer": answer, "_first": first, "probe": probe,
         "kv_bytes": nbytes["total"], "kv_bytes_packed": nbytes["packed"], "kv_bytes_residual": nbytes["residual"],
         "kv_bytes_analytical": method.analytical_bits(lm.head_dim) * values / 8,
         "bits_per_value": 8 * nbytes["total"] / values,
-        "quantize_s": quantize_s, "tpot_median_s": statistics.median(steps), "tpot_p90_s": _percentile(steps, 0.9),
-        "decode_steps": len(steps),
+        "quantize_s": quantize_s, "decode_steps": s["decode_steps"],
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else sampler.peak,
         "memory_source": "cuda max_memory_allocated" if cuda else "process RSS",
         "trace_t": [round(t, 4) for t in sampler.times], "trace_bytes": sampler.values,

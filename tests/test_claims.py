@@ -26,7 +26,7 @@ def _sweep(bytes_per_token: dict, tpot: dict, ttft_extra: dict, power: float = 1
     for m, bpt in bytes_per_token.items():
         for L in (1, 1024, 4096, 8192, 16384):
             rows.append({"method": m, "length": L, "status": "ok", "kv_bytes": bpt * L**power, "ttft_s": 1e-4 * L + ttft_extra[m],
-                         "tpot_median_s": tpot[m], "trace_t": [], "trace_bytes": [], "memory_source": "process RSS"})
+                         "tpot_median_s": tpot[m], "tpot_vs_ref": tpot[m] / tpot["fp16"], "trace_t": [], "trace_bytes": [], "memory_source": "process RSS"})
     return pd.DataFrame(rows)
 
 

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 
 from niah.config import validate
@@ -23,6 +25,7 @@ def test_sweep_rows_bytes_timings_and_traces(smoke_cfg, tiny, tmp_path):
     for r in rows:
         assert r["kv_bytes"] == pytest.approx(r["kv_bytes_analytical"], rel=0.01)
         assert r["decode_steps"] == 32 and 0 < r["tpot_median_s"] <= r["tpot_p90_s"]
+        assert r["tpot_vs_ref"] == 1.0 if r["method"] == "fp16" else r["tpot_vs_ref"] > 0
         assert r["ttft_s"] >= r["prefill_s"] > 0
         assert len(r["trace_t"]) == len(r["trace_bytes"]) >= 1
     assert {r["probe"] for r in rows} == {True, False}  # 1 token cannot hold the needle; 512 can
@@ -60,11 +63,33 @@ def test_decode_timing_keeps_no_autograd_graph(tiny):
     from niah.kv.cache import PackedCache
     from niah.kv.registry import get_method
     from niah.protocol import context_kv, prefill
-    from niah.sweep import _timed_decode
+    from niah.sweep import _greedy
 
     kv = context_kv(prefill(tiny.model, list(range(64))))
     cache = PackedCache.from_kv(kv, get_method("kivi2"), keep_dequantized=False)
-    _timed_decode(tiny.model, cache, 1, 4)
+    _greedy(tiny.model, cache, 1, 4)
     layer = cache.layers[0]
     assert not layer.res_k.requires_grad
     assert not any(t.requires_grad for k, v in layer.chunks for t in (*k.tensors.values(), *v.tensors.values()))
+
+
+def test_paired_tpot_ratio_ignores_a_machine_that_slows_down(monkeypatch):
+    """Each method's steps cost its own time, times a slowdown that triples halfway through: the ratios to the
+    reference compare steps of the same round, so they come out as the per-step costs' ratios."""
+    import niah.sweep as sweep
+
+    cost = {"fp16": 1.0, "q8_0": 0.8, "turbo3": 1.3}
+    calls = []
+
+    def step(model, cache, token):
+        calls.append(cache)
+        return token + 1, cost[cache] * (1.0 if len(calls) <= 3 * 8 else 3.0)
+
+    monkeypatch.setattr(sweep.PackedCache, "from_kv", staticmethod(lambda kv, method, **kw: method))
+    monkeypatch.setattr(sweep, "_decode_step", step)
+    monkeypatch.setattr(sweep, "fused_decoding", lambda model: contextlib.nullcontext())
+    lm = type("LM", (), {"model": None})()
+    out = sweep._paired_tpot(lm, None, {m: m for m in cost}, {m: 0 for m in cost}, 16, "fp16")
+    assert {m: r["tpot_vs_ref"] for m, r in out.items()} == pytest.approx(cost)
+    assert out["q8_0"]["tpot_median_s"] == pytest.approx(0.8 * 2)  # the median of 8 fast and 8 slow steps
+    assert calls[:3] == ["fp16", "q8_0", "turbo3"] and calls[3:6] == ["q8_0", "turbo3", "fp16"]  # order rotates
