@@ -80,7 +80,7 @@ def validate(raw: dict, where: str = "config") -> dict:
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise ConfigError(f"{where}: missing required setting(s) {', '.join(missing)}")
-    cfg = _merge({**DEFAULTS, "name": None, "model": {}, "description": "", "sweep": {}, "weightquant": {}}, raw, "", strict=True)
+    cfg = _merge({**DEFAULTS, "name": None, "model": {}, "description": "", "sweep": {}, "weightquant": {}, "kv_perplexity": {}}, raw, "", strict=True)
     n = cfg["niah"]
     if not n["lengths"] or any(not isinstance(x, int) or x <= 0 for x in n["lengths"]):
         raise ConfigError(f"{where}: niah.lengths must be positive integers (tokens); got {n['lengths']}")

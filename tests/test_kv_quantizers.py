@@ -9,7 +9,7 @@ from niah.kv import rowkernels
 from niah.kv.packing import pack_bits, pack_planes, unpack_bits, unpack_planes
 from niah.kv.registry import get_method
 
-METHODS = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2_key", "kivi2_value", "kivi4_key", "kivi4_value",
+METHODS = ["int8_token", "q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2_key", "kivi2_value", "kivi4_key", "kivi4_value",
            "sliding_window_asym3"]
 FP16_REL = 2.0**-11  # fp16 rounding, relative
 FP16_ABS = 2.0**-25  # fp16 rounding of subnormal scales, absolute (half the smallest fp16 step)
@@ -106,7 +106,7 @@ def test_measured_bits_match_analytical(name):
 
 def test_analytical_bits():
     bits = {name: quantizer(name).analytical_bits(128) for name in METHODS}
-    assert bits == {"q8_0": 8.5, "q4_0": 4.5, "fp8_e4m3": 8.0, "fp8_e5m2": 8.0, "fp4_e2m1": 4.5, "kivi2_key": 3.0,
+    assert bits == {"int8_token": 8.125, "q8_0": 8.5, "q4_0": 4.5, "fp8_e4m3": 8.0, "fp8_e5m2": 8.0, "fp4_e2m1": 4.5, "kivi2_key": 3.0,
                     "kivi2_value": 3.0, "kivi4_key": 5.0, "kivi4_value": 5.0, "sliding_window_asym3": 3.0625}
 
 
@@ -132,7 +132,7 @@ def test_q8_0_head_dim_48_error_names_valid_choices():
         get_method("q8_0").check_head_dim(48)
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "kivi2_key", "sliding_window_asym3"])
+@pytest.mark.parametrize("name", ["int8_token", "fp8_e4m3", "kivi2_key", "sliding_window_asym3"])
 def test_methods_without_head_dim_blocks_take_any_head_dim(name):
     x = randn(1, 2, 64, 40)
     quantizer(name).check_head_dim(40)
@@ -148,6 +148,26 @@ def test_q8_0_error_bound():
     absmax = blocks.abs().amax(-1, keepdim=True)
     err = (round_trip("q8_0", x) - x).unflatten(-1, (-1, 32)).abs()
     assert (err <= absmax / 127 / 2 + absmax * FP16_REL + 127 * FP16_ABS).all()
+
+
+def test_int8_token_error_bound_and_storage():
+    x = randn(2, 3, 64, 40) * torch.logspace(-3, 2, 64).view(1, 1, 64, 1)
+    x[0, 0, 0] = 0.0  # an all-zero vector gets scale 0 and reads back as zeros
+    q = quantizer("int8_token")
+    p = q.quantize(x)
+    assert p.tensors["codes"].dtype == torch.int8 and p.tensors["scale"].shape == (2, 3, 64)
+    assert int(p.tensors["codes"].abs().max()) == 127
+    absmax = x.abs().amax(-1, keepdim=True)
+    err = (q.dequantize(p) - x).abs()
+    assert (err <= absmax / 127 / 2 + absmax * FP16_REL + 127 * FP16_ABS).all()
+    assert torch.equal(q.dequantize(p)[0, 0, 0], torch.zeros(40))
+
+
+def test_one_scale_per_vector_is_coarser_than_q8_0s_per_32_values():
+    x = randn(1, 2, 256, 64)
+    x[..., 3] *= 20.0  # an outlier channel, as real keys have: it sets int8_token's step for all 64 values
+    err = {m: float((round_trip(m, x) - x).square().mean()) for m in ("int8_token", "q8_0")}
+    assert err["int8_token"] > 1.5 * err["q8_0"]
 
 
 def test_q4_0_error_bound():

@@ -90,4 +90,4 @@ def get_method(name: str) -> KVMethod:
 
 def _load_builtin() -> None:
     """Import the modules whose ``@register`` calls add the built-in methods."""
-    from . import fp, quantizers, turbo  # noqa: F401
+    from . import fp, int8, quantizers, turbo  # noqa: F401

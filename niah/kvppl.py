@@ -1,0 +1,133 @@
+"""Perplexity of held-out text read through each KV method's stored cache (seed claims S1-3 and S1-5).
+
+Per window of ``context + continuation`` tokens from the evaluation split of pydoc (the text notebook 01 scores
+weight schemes on, :mod:`niah.weightquant.data`): the context is prefilled once at full precision and every
+method stores that same prefill in a :class:`~niah.kv.cache.PackedCache`, as in the needle protocol.  The
+continuation is then one teacher-forced pass over the stored cache, which quantizes the continuation's own keys
+and values as it stores them (every token for the formats without a residual window; KIVI keeps its newest 128
+in full precision).  Its ``continuation - 1`` in-pass predictions are scored: each reads at least ``context``
+quantized tokens.  Against the reference method (fp16) the paired figures are the perplexity ratio, with a
+bootstrap interval over windows, and KL divergence and top-1 agreement of the next-token distributions.
+
+Rows are keyed by (config, model, method, window); a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from . import env
+from .config import ConfigError
+from .kv.cache import PackedCache
+from .kv.registry import get_method
+from .protocol import compare_logits, context_kv, prefill
+from .results import ResultsTable
+
+KEY = ("config", "model", "method", "window")
+DEFAULTS = {"methods": ["fp16"], "windows": 4, "context": 2048, "continuation": 256, "bootstrap": 2000}
+
+
+def kv_perplexity_settings(cfg: dict) -> dict:
+    """The config's ``kv_perplexity`` section over :data:`DEFAULTS`, the reference method first."""
+    s = {**DEFAULTS, **cfg.get("kv_perplexity", {})}
+    unknown = set(s) - set(DEFAULTS)
+    if unknown:
+        raise ConfigError(f"unknown kv_perplexity setting(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    if s["continuation"] < 2 or s["context"] < 1 or s["windows"] < 1:
+        raise ConfigError(f"kv_perplexity needs context >= 1, continuation >= 2 and windows >= 1 tokens; got {s}")
+    ref = cfg["niah"]["reference"]
+    s["methods"] = [ref, *[m for m in s["methods"] if m != ref]]
+    return s
+
+
+@torch.no_grad()
+def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
+    """Score every missing (method, window) row of the config's ``kv_perplexity`` section; return the table's path."""
+    from .weightquant.data import split_text, token_windows
+    from .weightquant.settings import settings as wq_settings
+
+    s = kv_perplexity_settings(cfg)
+    tokens = s["context"] + s["continuation"]
+    if tokens > lm.max_context:
+        raise ConfigError(f"kv_perplexity: context + continuation = {tokens} tokens exceeds the model's limit of "
+                          f"{lm.max_context}; lower kv_perplexity.context or kv_perplexity.continuation")
+    methods = {m: get_method(m) for m in s["methods"]}
+    for m in methods.values():
+        m.check_head_dim(lm.head_dim)
+    table = ResultsTable(out_path, KEY)
+    base = {"config": cfg["name"], "config_hash": cfg["hash"], "model": lm.name, "seed": cfg["seed"],
+            "context": s["context"], "continuation": s["continuation"], "git_commit": env.git_commit(), "versions": env.versions()}
+    todo = {w: [m for m in methods if table.key({**base, "method": m, "window": w}) not in table.done] for w in range(s["windows"])}
+    if not any(todo.values()):
+        return out_path
+    torch.set_num_threads(cfg["threads"])
+    text = split_text("evaluation", wq_settings(cfg)["calibration_share"])
+    windows = token_windows(lm.tokenizer, text, s["windows"], tokens)
+    ref = s["methods"][0]
+    bar = tqdm(total=sum(map(len, todo.values())), desc=f"KV perplexity [{cfg['name']}]", unit="row", disable=not progress)
+    for w, names in todo.items():
+        if not names:
+            continue
+        ids = windows[w].tolist()
+        kv = context_kv(prefill(lm.model, ids[: s["context"]], chunk=cfg["niah"]["prefill_chunk"]))
+        ref_logsm = None
+        for name in [ref] + [m for m in names if m != ref]:
+            row, logsm = _score(lm, kv, methods[name], ids[s["context"]:])
+            if name == ref:
+                ref_logsm = logsm
+            row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
+            if name in names:
+                table.append({**base, "method": name, "window": w, "status": "ok", **row})
+                bar.update(1)
+    bar.close()
+    return out_path
+
+
+def _score(lm, kv, method, continuation: list[int]) -> tuple[dict, torch.Tensor]:
+    """One teacher-forced pass of ``continuation`` over ``kv`` stored by ``method``: the row's numbers and the
+    next-token log-softmax ``(len(continuation) - 1, vocab)``."""
+    stored = PackedCache.from_kv(kv, method)
+    values = 2 * len(kv) * math.prod(kv[0][0].shape)  # K and V, every layer
+    bits = 8 * stored.nbytes()["total"] / values
+    ids = torch.tensor([continuation], device=next(lm.model.parameters()).device)
+    logits = lm.model(input_ids=ids, cache=stored, use_cache=True).logits[0, :-1].float()
+    logsm = torch.log_softmax(logits, dim=-1)
+    nll = -logsm.gather(1, ids[0, 1:, None]).squeeze(1)
+    return {"nll_sum": float(nll.sum()), "scored_tokens": int(nll.numel()), "bits_per_value": bits}, logsm.cpu()
+
+
+def perplexity_table(df: pd.DataFrame, ref: str = "fp16", bootstrap: int = DEFAULTS["bootstrap"], seed: int = 0) -> pd.DataFrame:
+    """Per method: perplexity over all scored tokens; ``ppl_vs_ref``, its ratio to the reference's perplexity on
+    the same windows, with a 95% percentile-bootstrap interval (``ci_low``, ``ci_high``: windows resampled, one
+    draw for both methods); mean KL and top-1 agreement against the reference; stored bits per value."""
+    ok = df[df["status"] == "ok"]
+    nll = ok.pivot_table(index="window", columns="method", values="nll_sum", aggfunc="sum")
+    count = ok.pivot_table(index="window", columns="method", values="scored_tokens", aggfunc="sum")
+    draws = np.random.default_rng(seed).integers(0, len(nll), size=(bootstrap, len(nll)))
+    rows = []
+    for method, part in ok.groupby("method", sort=False):
+        row = {"method": method, "windows": len(part), "scored_tokens": int(part["scored_tokens"].sum()),
+               "ppl": math.exp(part["nll_sum"].sum() / part["scored_tokens"].sum()), "ppl_vs_ref": float("nan"),
+               "ci_low": float("nan"), "ci_high": float("nan")}
+        paired = nll[[method, ref]].notna().all(axis=1).to_numpy() if ref in nll else np.zeros(len(nll), bool)
+        if paired.all():  # every window scored by both: bootstrap over windows
+            row["ppl_vs_ref"] = math.exp(_log_ppl_ratio(nll, count, method, ref, np.arange(len(nll))))
+            row["ci_low"], row["ci_high"] = np.exp(np.quantile(_log_ppl_ratio(nll, count, method, ref, draws), [0.025, 0.975]))
+        row.update({"kl_vs_ref": part["kl_vs_ref"].mean(), "top1_vs_ref": part["top1_vs_ref"].mean(), "bits_per_value": part["bits_per_value"].mean()})
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values("bits_per_value", ascending=False).reset_index(drop=True)
+
+
+def _log_ppl_ratio(nll: pd.DataFrame, count: pd.DataFrame, method: str, ref: str, windows: np.ndarray) -> np.ndarray:
+    """``log(ppl_method / ppl_ref)`` over the windows at positions ``windows`` (``(..., n)``, repeats allowed)."""
+
+    def log_ppl(m: str) -> np.ndarray:
+        return nll[m].to_numpy()[windows].sum(-1) / count[m].to_numpy()[windows].sum(-1)
+
+    return log_ppl(method) - log_ppl(ref)

@@ -1,0 +1,63 @@
+"""Perplexity through the stored cache (niah/kvppl.py)."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from niah.config import ConfigError, validate
+from niah.kvppl import KEY, perplexity_table, run_kv_perplexity
+from niah.results import read_rows
+
+
+def _cfg(smoke_cfg, **section):
+    raw = {k: v for k, v in smoke_cfg.items() if k != "hash"}
+    raw["kv_perplexity"] = {**smoke_cfg["kv_perplexity"], **section}
+    return validate(raw)
+
+
+def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_cfg, tiny, tmp_path):
+    cfg = _cfg(smoke_cfg)
+    rows = read_rows(run_kv_perplexity(cfg, tiny, tmp_path / "p.jsonl", progress=False))
+    s = cfg["kv_perplexity"]
+    assert len(rows) == s["windows"] * len(s["methods"])
+    for r in rows:
+        assert r["scored_tokens"] == s["continuation"] - 1 and r["nll_sum"] > 0
+        assert (r["kl_vs_ref"] == 0 and r["top1_vs_ref"] == 1) if r["method"] == "fp16" else r["kl_vs_ref"] > 0
+    table = perplexity_table(pd.DataFrame(rows)).set_index("method")
+    assert table.loc["fp16", "ppl_vs_ref"] == 1 and table.loc["fp16", "ci_low"] == table.loc["fp16", "ci_high"] == 1
+    assert table.loc["turbo3", "ppl_vs_ref"] != 1 and table.loc["turbo3", "ci_low"] <= table.loc["turbo3", "ppl_vs_ref"] <= table.loc["turbo3", "ci_high"]
+    assert table.loc["int8_token", "bits_per_value"] == pytest.approx(8 + 16 / tiny.head_dim)
+
+
+def test_a_killed_run_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, killed_after):
+    cfg = _cfg(smoke_cfg, windows=2)
+    path = tmp_path / "p.jsonl"
+    kill = killed_after(5)
+    with pytest.raises(KeyboardInterrupt):
+        run_kv_perplexity(cfg, tiny, path, progress=False)
+    kill.revive()
+    first = read_rows(path)
+    assert len(first) == 5
+    rows = read_rows(run_kv_perplexity(cfg, tiny, path, progress=False))
+    keys = [tuple(r[k] for k in KEY) for r in rows]
+    assert len(keys) == len(set(keys)) == 2 * len(cfg["kv_perplexity"]["methods"])
+    again = {(r["method"], r["window"]): r["nll_sum"] for r in rows}
+    assert all(again[(r["method"], r["window"])] == r["nll_sum"] for r in first)  # the resumed window's reference is recomputed alike
+
+
+def test_ratio_and_interval_follow_the_windows():
+    """Window 1 is twice as hard for 'q' as for the reference; the other windows are equal."""
+    rows = [{"method": m, "window": w, "status": "ok", "nll_sum": 10.0 * (2 if (m, w) == ("q", 1) else 1), "scored_tokens": 10,
+             "kl_vs_ref": 0.0, "top1_vs_ref": 1.0, "bits_per_value": 16 if m == "fp16" else 4} for m in ("fp16", "q") for w in range(4)]
+    q = perplexity_table(pd.DataFrame(rows)).set_index("method").loc["q"]
+    assert q["ppl_vs_ref"] == pytest.approx(math.exp(0.25))  # mean NLL 1.25 against 1.0
+    assert q["ci_low"] == pytest.approx(1.0) and q["ci_high"] > q["ppl_vs_ref"]
+
+
+def test_bad_settings_are_named(smoke_cfg, tiny, tmp_path):
+    with pytest.raises(ConfigError, match="unknown kv_perplexity setting"):
+        run_kv_perplexity(_cfg(smoke_cfg, tokens=3), tiny, tmp_path / "p.jsonl", progress=False)
+    with pytest.raises(ConfigError, match="exceeds the model's limit of 2048"):
+        run_kv_perplexity(_cfg(smoke_cfg, context=2000, continuation=100), tiny, tmp_path / "p.jsonl", progress=False)
+    assert not (tmp_path / "p.jsonl").exists()
