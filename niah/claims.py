@@ -43,6 +43,7 @@ class Evidence:
     niah: pd.DataFrame = field(default_factory=pd.DataFrame)
     sweep: pd.DataFrame = field(default_factory=pd.DataFrame)
     weightquant: pd.DataFrame = field(default_factory=pd.DataFrame)
+    kv_ppl: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.kvppl rows
     cold_warm: dict | None = None
     kv_value_share: float | None = None  # share of real K and V values within [-6, 6]
 
@@ -259,8 +260,30 @@ def s1_2(ev):
     return measured, "supported" if ok_token and close_total else ("partly" if ok_token else "refuted")
 
 
+def _ppl(ev: Evidence) -> pd.DataFrame | None:
+    """:func:`niah.kvppl.perplexity_table` of this run, indexed by method (None without an fp16 reference)."""
+    from .kvppl import perplexity_table
+
+    if not len(ev.kv_ppl) or "fp16" not in set(ev.kv_ppl["method"]):
+        return None
+    return perplexity_table(ev.kv_ppl, "fp16").set_index("method")
+
+
+def _ppl_text(table: pd.DataFrame, method: str) -> str:
+    r = table.loc[method]
+    return f"{method} {100 * (r['ppl_vs_ref'] - 1):+.2f}% [{100 * (r['ci_low'] - 1):+.2f}, {100 * (r['ci_high'] - 1):+.2f}]"
+
+
 def s1_3(ev):
-    return "", "untestable here (perplexity under quantized KV caches is not measured yet; needle KL is in S0-14)"
+    table = _ppl(ev)
+    if table is None or "int8_token" not in table.index:
+        return _missing("perplexity rows of fp16 and int8_token")
+    ci = table.loc["int8_token", ["ci_low", "ci_high"]]
+    others = [_ppl_text(table, m) for m in ("q8_0", "fp8_e4m3") if m in table.index]
+    measured = (f"perplexity vs fp16 over {int(table.loc['int8_token', 'scored_tokens'])} held-out tokens (95% bootstrap interval): "
+                + ", ".join([_ppl_text(table, "int8_token"), *others]))
+    verdict = "supported" if ci["ci_low"] > 1.01 else ("refuted" if ci["ci_high"] < 1.01 else "partly")
+    return measured, verdict
 
 
 def s1_4(ev):
@@ -281,8 +304,12 @@ def s1_5(ev):
     if a3 is None or a16 is None:
         return _missing("turbo3 and fp16 rows")
     delta = a3 - a16
-    verdict = "refuted" if delta < -0.1 else "partly"
-    return f"needle accuracy turbo3 - fp16 = {delta:+.2f}; perplexity and code completion not measured", verdict
+    table = _ppl(ev)
+    if table is None or "turbo3" not in table.index:
+        return f"needle accuracy turbo3 - fp16 = {delta:+.2f}; perplexity and code completion not measured", "refuted" if delta < -0.1 else "partly"
+    loses = table.loc["turbo3", "ci_low"] > 1.01
+    measured = f"needle accuracy turbo3 - fp16 = {delta:+.2f}; perplexity vs fp16: {_ppl_text(table, 'turbo3')}; code completion not measured"
+    return measured, "refuted" if delta < -0.1 or loses else "partly"
 
 
 def s1_6(ev):
@@ -458,9 +485,9 @@ CLAIMS: list[Claim] = [
     Claim("S0-15", "5", "a 4K warm-up request cuts the first 16K TTFT by 22%", "first-request TTFT in fresh processes, with and without warm-up", "supported within 10 points of 22%", s0_15),
     Claim("S1-1", "1", "TurboQuant cuts KV memory 8x at 3 bits with no loss", "measured bytes of turbo3 vs fp16", "refuted below 8x", s1_1),
     Claim("S1-2", "1", "KV bytes/token = 2 L d h bytes; Llama-2-70B: 327,680 B/token, 10.5 GB at 32K", "arithmetic from the model config", "supported if both numbers match within 2%", s1_2),
-    Claim("S1-3", "2", "naive 8-bit KV quantization costs > 1% perplexity", "perplexity delta of int8 KV", "needs a perplexity run over quantized caches", s1_3),
+    Claim("S1-3", "2", "naive 8-bit KV quantization costs > 1% perplexity", "perplexity through an int8 cache with one scale per vector (int8_token) against fp16, paired over held-out windows", "supported if the 95% interval lies above +1%, refuted if below, else partly", s1_3),
     Claim("S1-4", "2", "TurboQuant is a sliding-window asymmetric min/max quantizer with attention-weighted compensation", "implement the paper's algorithm and the seed's, compare", "refuted when both are implemented and differ", s1_4),
-    Claim("S1-5", "3", "3-bit TurboQuant loses no perplexity and gains 1.2% on code completion", "needle accuracy and KL of turbo3", "refuted if accuracy drops > 0.1; else partly (perplexity not measured)", s1_5),
+    Claim("S1-5", "3", "3-bit TurboQuant loses no perplexity and gains 1.2% on code completion", "needle accuracy of turbo3 and its perplexity against fp16", "refuted if accuracy drops > 0.1 or the perplexity interval lies above +1%; else partly (code completion not measured)", s1_5),
     Claim("S1-6", "3", "a 4-bit float packing with 1 sign, 2 exponent, 1 mantissa bit", "implemented as fp4_e2m1, measured", "supported when it runs", s1_6),
     Claim("S3-1", "2", "W8A8: symmetric per-channel costs +1.2 perplexity, asymmetric per-token +0.7", "perplexity deltas of both on our model", "supported within 0.3 of both; partly if asymmetric is better", s3_1),
     Claim("S3-2", "3", "W4A8 g128 with 1% int8 outliers: +2.1 perplexity; without them it explodes (15.3)", "AutoRound int4 + int8 activations, with and without 1% int8 channels", "supported if with <= 3.15 and without >= 10; partly if the channels help", s3_2),
@@ -514,6 +541,7 @@ def gather_evidence(cfg: dict, run_dir: Path, kv_value_share: float | None = Non
         niah=load_results(run_dir / "niah_results.jsonl"),
         sweep=load_results(run_dir / "sweep_results.jsonl"),
         weightquant=load_results(run_dir / "weightquant_results.jsonl"),
+        kv_ppl=load_results(run_dir / "kv_perplexity.jsonl"),
         cold_warm=json.loads(cold.read_text()) if cold.exists() else None,
         kv_value_share=kv_value_share,
     )

@@ -1,5 +1,6 @@
 """The ledger covers every seed claim, and each verdict follows its measured input."""
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -67,6 +68,24 @@ def test_sweep_verdicts_follow_the_measurements():
     curved = _sweep({"fp16": 1, "q8_0": 0.5}, {"fp16": 1.0, "q8_0": 1.4}, {"fp16": 0, "q8_0": 5}, power=2)
     for cid in ("S0-5", "S0-11", "S0-12", "S0-13"):
         assert verdict(cid, Evidence("x", sweep=linear)) != verdict(cid, Evidence("x", sweep=curved)), cid
+
+
+def _kv_ppl(**ratios):
+    """Perplexity rows: fp16 and each method at a perplexity ``ratio`` times fp16's, over 6 windows of 100 tokens."""
+    rows = []
+    for m, ratio in {"fp16": 1.0, **ratios}.items():
+        for w in range(6):
+            rows.append({"method": m, "window": w, "status": "ok", "nll_sum": 200.0 + w + 100 * math.log(ratio), "scored_tokens": 100,
+                         "kl_vs_ref": 0.0, "top1_vs_ref": 1.0, "bits_per_value": 8.0})
+    return pd.DataFrame(rows)
+
+
+def test_perplexity_verdicts_follow_the_measurements():
+    assert verdict("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=1.05))) == "supported"
+    assert verdict("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=1.001))) == "refuted"
+    needles = _niah(fp16=(1, 16, 0, -1), turbo3=(1, 3.25, 0, -1))
+    assert verdict("S1-5", Evidence("x", niah=needles, kv_ppl=_kv_ppl(turbo3=1.2))) == "refuted"
+    assert verdict("S1-5", Evidence("x", niah=needles, kv_ppl=_kv_ppl(turbo3=1.0))) == "partly"
 
 
 def test_other_measured_verdicts_follow_their_inputs():
