@@ -30,7 +30,8 @@ from .protocol import compare_logits, context_kv, prefill
 from .results import ResultsTable
 
 KEY = ("config", "model", "method", "window")
-DEFAULTS = {"methods": ["fp16"], "windows": 4, "context": 2048, "continuation": 256, "bootstrap": 2000}
+DEFAULTS = {"methods": ["fp16"], "windows": 4, "context": 2048, "continuation": 256}
+BOOTSTRAP = 2000  # resamples of the windows for the interval of perplexity_table
 
 
 def kv_perplexity_settings(cfg: dict) -> dict:
@@ -102,7 +103,7 @@ def _score(lm, kv, method, continuation: list[int]) -> tuple[dict, torch.Tensor]
     return {"nll_sum": float(nll.sum()), "scored_tokens": int(nll.numel()), "bits_per_value": bits}, logsm.cpu()
 
 
-def perplexity_table(df: pd.DataFrame, ref: str = "fp16", bootstrap: int = DEFAULTS["bootstrap"], seed: int = 0) -> pd.DataFrame:
+def perplexity_table(df: pd.DataFrame, ref: str = "fp16", bootstrap: int = BOOTSTRAP, seed: int = 0) -> pd.DataFrame:
     """Per method: perplexity over all scored tokens; ``ppl_vs_ref``, its ratio to the reference's perplexity on
     the same windows, with a 95% percentile-bootstrap interval (``ci_low``, ``ci_high``: windows resampled, one
     draw for both methods); mean KL and top-1 agreement against the reference; stored bits per value."""

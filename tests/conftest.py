@@ -46,3 +46,16 @@ def killed_after(monkeypatch):
             monkeypatch.setattr(ResultsTable, "append", real)
 
     return Kill
+
+
+@pytest.fixture
+def smoke_with(smoke_cfg):
+    """``smoke_with(section, **settings)``: the smoke config with ``settings`` over its ``section``, validated."""
+    from niah.config import validate
+
+    def make(section, **settings):
+        raw = {k: v for k, v in smoke_cfg.items() if k != "hash"}
+        raw[section] = {**smoke_cfg[section], **settings}
+        return validate(raw)
+
+    return make

@@ -5,19 +5,13 @@ import math
 import pandas as pd
 import pytest
 
-from niah.config import ConfigError, validate
+from niah.config import ConfigError
 from niah.kvppl import KEY, perplexity_table, run_kv_perplexity
 from niah.results import read_rows
 
 
-def _cfg(smoke_cfg, **section):
-    raw = {k: v for k, v in smoke_cfg.items() if k != "hash"}
-    raw["kv_perplexity"] = {**smoke_cfg["kv_perplexity"], **section}
-    return validate(raw)
-
-
-def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_cfg, tiny, tmp_path):
-    cfg = _cfg(smoke_cfg)
+def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_with, tiny, tmp_path):
+    cfg = smoke_with("kv_perplexity")
     rows = read_rows(run_kv_perplexity(cfg, tiny, tmp_path / "p.jsonl", progress=False))
     s = cfg["kv_perplexity"]
     assert len(rows) == s["windows"] * len(s["methods"])
@@ -30,8 +24,8 @@ def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_cfg, t
     assert table.loc["int8_token", "bits_per_value"] == pytest.approx(8 + 16 / tiny.head_dim)
 
 
-def test_a_killed_run_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, killed_after):
-    cfg = _cfg(smoke_cfg, windows=2)
+def test_a_killed_run_resumes_without_duplicates(smoke_with, tiny, tmp_path, killed_after):
+    cfg = smoke_with("kv_perplexity", windows=2)
     path = tmp_path / "p.jsonl"
     kill = killed_after(5)
     with pytest.raises(KeyboardInterrupt):
@@ -55,9 +49,9 @@ def test_ratio_and_interval_follow_the_windows():
     assert q["ci_low"] == pytest.approx(1.0) and q["ci_high"] > q["ppl_vs_ref"]
 
 
-def test_bad_settings_are_named(smoke_cfg, tiny, tmp_path):
+def test_bad_settings_are_named(smoke_with, tiny, tmp_path):
     with pytest.raises(ConfigError, match="unknown kv_perplexity setting"):
-        run_kv_perplexity(_cfg(smoke_cfg, tokens=3), tiny, tmp_path / "p.jsonl", progress=False)
+        run_kv_perplexity(smoke_with("kv_perplexity", tokens=3), tiny, tmp_path / "p.jsonl", progress=False)
     with pytest.raises(ConfigError, match="exceeds the model's limit of 2048"):
-        run_kv_perplexity(_cfg(smoke_cfg, context=2000, continuation=100), tiny, tmp_path / "p.jsonl", progress=False)
+        run_kv_perplexity(smoke_with("kv_perplexity", context=2000, continuation=100), tiny, tmp_path / "p.jsonl", progress=False)
     assert not (tmp_path / "p.jsonl").exists()

@@ -2,20 +2,13 @@ import contextlib
 
 import pytest
 
-from niah.config import validate
 from niah.fits import polyfit
 from niah.results import read_rows
 from niah.sweep import KEY, run_sweep
 
 
-def _cfg(smoke_cfg, **sweep):
-    raw = {k: v for k, v in smoke_cfg.items() if k != "hash"}
-    raw["sweep"] = {**smoke_cfg["sweep"], **sweep}
-    return validate(raw)
-
-
-def test_sweep_rows_bytes_timings_and_traces(smoke_cfg, tiny, tmp_path):
-    cfg = _cfg(smoke_cfg)
+def test_sweep_rows_bytes_timings_and_traces(smoke_with, tiny, tmp_path):
+    cfg = smoke_with("sweep")
     rows = read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))
     assert len(rows) == len(cfg["sweep"]["lengths"]) * len(cfg["sweep"]["methods"])
     assert {r["status"] for r in rows} == {"ok"}
@@ -31,16 +24,16 @@ def test_sweep_rows_bytes_timings_and_traces(smoke_cfg, tiny, tmp_path):
     assert {r["probe"] for r in rows} == {True, False}  # 1 token cannot hold the needle; 512 can
 
 
-def test_memory_budget_is_an_oom_status_and_the_sweep_goes_on(smoke_cfg, tiny, tmp_path):
-    cfg = _cfg(smoke_cfg, lengths=[64, 512, 256], memory_budget_gib=200 * 2 * 2 * 2 * 32 * 4 / 2**30)
+def test_memory_budget_is_an_oom_status_and_the_sweep_goes_on(smoke_with, tiny, tmp_path):
+    cfg = smoke_with("sweep", lengths=[64, 512, 256], memory_budget_gib=200 * 2 * 2 * 2 * 32 * 4 / 2**30)
     rows = {(r["method"], r["length"]): r for r in read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))}
     assert rows[("fp16", 64)]["status"] == "ok"
     assert rows[("fp16", 256)]["status"] == "oom" and "budget" in rows[("fp16", 256)]["reason"]
     assert rows[("turbo3", 512)]["status"] == "oom"
 
 
-def test_a_killed_sweep_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, killed_after):
-    cfg = _cfg(smoke_cfg)
+def test_a_killed_sweep_resumes_without_duplicates(smoke_with, tiny, tmp_path, killed_after):
+    cfg = smoke_with("sweep")
     path = tmp_path / "r.jsonl"
     kill = killed_after(3)
     with pytest.raises(KeyboardInterrupt):
@@ -53,9 +46,9 @@ def test_a_killed_sweep_resumes_without_duplicates(smoke_cfg, tiny, tmp_path, ki
 
 
 
-def test_unknown_sweep_setting_is_named(smoke_cfg, tiny, tmp_path):
+def test_unknown_sweep_setting_is_named(smoke_with, tiny, tmp_path):
     with pytest.raises(ValueError, match="unknown sweep setting"):
-        run_sweep(_cfg(smoke_cfg, step=3), tiny, tmp_path / "s.jsonl", progress=False)
+        run_sweep(smoke_with("sweep", step=3), tiny, tmp_path / "s.jsonl", progress=False)
 
 
 def test_decode_timing_keeps_no_autograd_graph(tiny):
