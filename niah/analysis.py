@@ -82,12 +82,12 @@ def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
 def kv_value_share(lm, cfg: dict, tokens: int = 2048, bound: float = 6.0) -> float:
     """Share of the real model's K and V values within [-bound, bound] over a ``tokens``-token pydoc prefill (claim S0-8)."""
     from .haystack import haystack_text, tokenize_haystack
-    from .protocol import context_kv, prefill
+    from .protocol import context_states, prefill
 
     ids = tokenize_haystack(haystack_text(cfg["haystack"]), lm.tokenizer, tokens).ids[:tokens]
-    kv = context_kv(prefill(lm.model, ids, chunk=cfg["niah"]["prefill_chunk"]))
-    inside = sum(int((t.abs() <= bound).sum()) for pair in kv for t in pair)
-    total = sum(t.numel() for pair in kv for t in pair)
+    states = [s for s in context_states(prefill(lm.model, ids, chunk=cfg["niah"]["prefill_chunk"])) if s.keys is not None]
+    inside = sum(int((t.abs() <= bound).sum()) for s in states for t in (s.keys, s.values))
+    total = sum(t.numel() for s in states for t in (s.keys, s.values))
     return inside / total
 
 

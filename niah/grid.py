@@ -21,7 +21,7 @@ from .haystack import haystack_text, tokenize_haystack
 from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial
 from .prompts import CellPrompt, build_cell
-from .protocol import compare_logits, context_kv, prefill, run_method
+from .protocol import compare_logits, context_states, kv_entries, prefill, run_method
 from .results import ResultsTable
 from .scoring import string_match_all
 
@@ -127,7 +127,7 @@ def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_metho
     prefill(loaded.model, p.prefill_ids[shared:], base, n["prefill_chunk"])
     prefill_s = time.perf_counter() - t0
     try:
-        kv = context_kv(base)
+        kv = context_states(base)
         ref_name = n["reference"]
         order = [ref_name] + [m for m in todo_methods if m != ref_name]
         answers, rows = {}, []
@@ -137,7 +137,7 @@ def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_metho
             if name not in todo_methods:
                 continue
             kl, top1 = compare_logits(answers[ref_name].answer_logsoftmax, ans.answer_logsoftmax)
-            values = len(p.prefill_ids) * kv[0][0].shape[1] * kv[0][0].shape[3] * 2 * len(kv)
+            values = kv_entries(kv)
             rows.append({
                 **_base_row(cfg, loaded.name, cell, name), "status": "ok", "reason": "",
                 "context_tokens": len(p.prefill_ids), "needle_position": p.needle_at / len(p.prefill_ids),

@@ -26,7 +26,7 @@ from . import env
 from .config import ConfigError
 from .kv.cache import PackedCache
 from .kv.registry import get_method
-from .protocol import compare_logits, context_kv, prefill
+from .protocol import compare_logits, context_states, kv_entries, prefill
 from .results import ResultsTable
 
 KEY = ("config", "model", "method", "window")
@@ -76,7 +76,7 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
         if not names:
             continue
         ids = windows[w].tolist()
-        kv = context_kv(prefill(lm.model, ids[: s["context"]], chunk=cfg["niah"]["prefill_chunk"]))
+        kv = context_states(prefill(lm.model, ids[: s["context"]], chunk=cfg["niah"]["prefill_chunk"]))
         ref_logsm = None
         for name in [ref] + [m for m in names if m != ref]:
             row, logsm = _score(lm, kv, methods[name], ids[s["context"]:])
@@ -93,8 +93,8 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
 def _score(lm, kv, method, continuation: list[int]) -> tuple[dict, torch.Tensor]:
     """One teacher-forced pass of ``continuation`` over ``kv`` stored by ``method``: the row's numbers and the
     next-token log-softmax ``(len(continuation) - 1, vocab)``."""
-    stored = PackedCache.from_kv(kv, method)
-    values = 2 * len(kv) * math.prod(kv[0][0].shape)  # K and V, every layer
+    stored = PackedCache.from_states(kv, method)
+    values = kv_entries(kv)
     bits = 8 * stored.nbytes()["total"] / values
     ids = torch.tensor([continuation], device=next(lm.model.parameters()).device)
     logits = lm.model(input_ids=ids, cache=stored, use_cache=True).logits[0, :-1].float()

@@ -2,7 +2,8 @@
 
 1. :func:`prefill` runs the context through the decoder only (no LM head), in chunks, into a
    ``DynamicCache``.  The same prefill serves every KV method of a cell (paired comparisons).
-2. A KV method stores that context in a :class:`~niah.kv.cache.PackedCache`.
+2. :func:`context_states` takes each layer's context out of it (keys and values of attention layers, the
+   recurrent state of linear-attention ones) and a KV method stores it in a :class:`~niah.kv.cache.PackedCache`.
 3. :func:`ask` runs the question over the packed cache, so every question and answer token reads the
    quantized context (no "prefill gap"), then
    * teacher-forces the expected answer: its log-probability and the per-position log-softmax
@@ -13,13 +14,16 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from .kv.cache import PackedCache
+from .kv.cache import LayerState, PackedCache
+from .kv.layout import FULL, LINEAR, SLIDING
 from .kv.registry import KVMethod
 
 
@@ -34,9 +38,28 @@ def prefill(model, ids: list[int], cache: DynamicCache | None = None, chunk: int
     return cache
 
 
-def context_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(keys, values)``, each ``(batch, kv_heads, tokens, head_dim)``."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+def context_states(cache: DynamicCache) -> list[LayerState]:
+    """Each layer's context now, a snapshot that later prefills into ``cache`` leave as it is.
+
+    Keys and values ``(batch, kv_heads, tokens, head_dim)`` of attention layers (a sliding layer: its last
+    ``window - 1`` tokens, also when the cache records the past for :meth:`~transformers.Cache.crop`); a copy of
+    each linear-attention layer, whose states transformers updates in place."""
+    seen = cache.get_seq_length()
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            out.append(LayerState(LINEAR, seen, linear=copy.deepcopy(layer)))
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            keep = layer.sliding_window - 1
+            out.append(LayerState(SLIDING, seen, layer.keys[..., -keep:, :], layer.values[..., -keep:, :], layer.sliding_window))
+        else:
+            out.append(LayerState(FULL, seen, layer.keys, layer.values))
+    return out
+
+
+def kv_entries(states: list[LayerState]) -> int:
+    """Key and value entries the attention layers of ``states`` hold (bits per value = 8 * bytes / this)."""
+    return sum(s.keys.numel() * 2 for s in states if s.kind != LINEAR)
 
 
 @dataclass
@@ -96,10 +119,10 @@ def compare_logits(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float
     return max(kl, 0.0), top1
 
 
-def run_method(model, tokenizer, kv, method: KVMethod, question_ids, answer_ids, max_new_tokens) -> tuple[Answer, dict, float]:
-    """Store the context ``kv`` with ``method`` and ask; returns (answer, stored bytes, quantize seconds)."""
+def run_method(model, tokenizer, states, method: KVMethod, question_ids, answer_ids, max_new_tokens) -> tuple[Answer, dict, float]:
+    """Store the context ``states`` with ``method`` and ask; returns (answer, stored bytes, quantize seconds)."""
     t0 = time.perf_counter()
-    cache = PackedCache.from_kv(kv, method)
+    cache = PackedCache.from_states(states, method)
     quantize_s = time.perf_counter() - t0
     stored = cache.nbytes()
     return ask(model, tokenizer, cache, question_ids, answer_ids, max_new_tokens), stored, quantize_s

@@ -36,7 +36,7 @@ from .kv.cache import PackedCache, fused_decoding, warm_up
 from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial, needle_text
 from .prompts import build_cell
-from .protocol import ask, compare_logits, context_kv, prefill
+from .protocol import ask, compare_logits, context_states, kv_entries, prefill
 from .results import ResultsTable
 from .scoring import string_match_all
 from .telemetry import MemorySampler
@@ -89,7 +89,7 @@ def _paired_tpot(lm, kv, methods: dict, first: dict[str, int], steps: int, ref: 
     over rounds of the method's step over the reference's step of the same round: the two ran a second or less
     apart, so a slow spell of a shared machine moves both (timed method after method, ratios at 16K moved by
     up to 1.4x between runs).  Returns per method ``tpot_median_s``, ``tpot_p90_s`` and ``tpot_vs_ref``."""
-    caches = {n: PackedCache.from_kv(kv, m, keep_dequantized=False, fused_decode=True) for n, m in methods.items()}
+    caches = {n: PackedCache.from_states(kv, m, keep_dequantized=False, fused_decode=True) for n, m in methods.items()}
     tokens, times, names = dict(first), {n: [] for n in methods}, list(methods)
     with fused_decoding(lm.model):
         for r in range(steps):
@@ -154,7 +154,7 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
             break
         if not todo:
             continue
-        kv = context_kv(cache)
+        kv = context_states(cache)
         probe = L >= probe_from
         answers, firsts, rows = {}, {}, {}
         for name in [ref] + [m for m in todo if m != ref]:
@@ -193,7 +193,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
     sampler = MemorySampler(hz=s["hz"], source="cuda" if cuda else "rss").start()
     try:
         t0 = time.perf_counter()
-        stored = PackedCache.from_kv(kv, method, keep_dequantized=False, fused_decode=True)
+        stored = PackedCache.from_states(kv, method, keep_dequantized=False, fused_decode=True)
         quantize_s = time.perf_counter() - t0
         nbytes = stored.nbytes()
         with fused_decoding(lm.model):
@@ -202,7 +202,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
             tokens = _greedy(lm.model, stored, first, s["decode_steps"])
     finally:
         sampler.stop()
-    values = kv[0][0].shape[1] * kv[0][0].shape[3] * 2 * len(kv) * kv[0][0].shape[2]
+    values = kv_entries(kv)
     return {
         "status": "ok", "reason": "", "_answer": answer, "_first": first, "probe": probe,
         "kv_bytes": nbytes["total"], "kv_bytes_packed": nbytes["packed"], "kv_bytes_residual": nbytes["residual"],

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import niah.kv.attend as attend
 from niah.kv.cache import PackedCache, PackedLayer, fused_decoding
 from niah.kv.registry import get_method
-from niah.protocol import context_kv, prefill
+from niah.protocol import context_states, prefill
 
 FUSED = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2", "sliding_window_asym3", "turbo2", "turbo3", "turbo4",
          "turbo2.5", "turbo3_prod"]  # read by the row kernels
@@ -69,10 +69,10 @@ def test_a_bug_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypatch):
 
 def test_decoding_a_real_model_through_the_fused_path_gives_the_same_tokens(tiny):
     ids = list(range(40, 240))
-    kv = context_kv(prefill(tiny.model, ids, chunk=128))
+    kv = context_states(prefill(tiny.model, ids, chunk=128))
     runs = {}
     for fused in (False, True):
-        cache = PackedCache.from_kv(kv, get_method("q8_0"), keep_dequantized=False, fused_decode=fused)
+        cache = PackedCache.from_states(kv, get_method("q8_0"), keep_dequantized=False, fused_decode=fused)
         with fused_decoding(tiny.model):
             logits = [tiny.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in (5, 6, 7)]
         runs[fused] = torch.stack(logits)

@@ -12,7 +12,7 @@ from niah.kv.cache import PackedCache, PackedLayer
 from niah.kv.registry import available, get_method
 from niah.needles import NeedleSpec, make_trial
 from niah.prompts import build_cell
-from niah.protocol import ask, compare_logits, context_kv, prefill
+from niah.protocol import ask, compare_logits, context_states, prefill
 
 METHODS = [m for m in available() if m != "fp16"]
 
@@ -21,14 +21,14 @@ METHODS = [m for m in available() if m != "fp16"]
 def setup(tiny):
     hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 1400)
     cell = build_cell(tiny.tokenizer, hay, 1024, 0.5, make_trial(NeedleSpec(), random.Random(5)), "completion")
-    kv = context_kv(prefill(tiny.model, cell.prefill_ids, chunk=256))
-    ref = ask(tiny.model, tiny.tokenizer, PackedCache.from_kv(kv, get_method("fp16")), cell.question_ids, cell.answer_ids, 4)
+    kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=256))
+    ref = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, get_method("fp16")), cell.question_ids, cell.answer_ids, 4)
     return tiny, cell, kv, ref
 
 
 def _ask(setup, method):
     tiny, cell, kv, _ = setup
-    return ask(tiny.model, tiny.tokenizer, PackedCache.from_kv(kv, get_method(method)), cell.question_ids, cell.answer_ids, 4)
+    return ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, get_method(method)), cell.question_ids, cell.answer_ids, 4)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -41,14 +41,14 @@ def test_a_quantized_method_is_not_the_fp16_cache(setup, method):
 def test_stored_bytes_match_the_format(setup, method):
     tiny, cell, kv, _ = setup
     m = get_method(method)
-    cache = PackedCache.from_kv(kv, m)
+    cache = PackedCache.from_states(kv, m)
     layer = cache.layers[0]
     packed_tokens = layer.get_seq_length() - layer.res_k.shape[-2]
-    values = 2 * kv[0][0].shape[1] * kv[0][0].shape[3] * packed_tokens
+    values = 2 * kv[0].keys.shape[1] * kv[0].keys.shape[3] * packed_tokens
     measured = 8 * layer.nbytes()[0] / values
     assert measured == pytest.approx(m.analytical_bits(tiny.head_dim), rel=0.01)
     assert layer.res_k.shape[-2] <= m.residual + m.token_group  # only the residual window stays in full precision
-    full = sum(k.numel() * 4 * 2 for k, _ in kv)
+    full = sum(s.keys.numel() * 4 * 2 for s in kv)
     assert cache.nbytes()["total"] < full or method in ("bf16",)
 
 

@@ -55,11 +55,11 @@ def test_decode_timing_keeps_no_autograd_graph(tiny):
     """Decoding with grad enabled chained every step's dequantized cache into one graph (GBs at 4K on SmolLM2)."""
     from niah.kv.cache import PackedCache
     from niah.kv.registry import get_method
-    from niah.protocol import context_kv, prefill
+    from niah.protocol import context_states, prefill
     from niah.sweep import _greedy
 
-    kv = context_kv(prefill(tiny.model, list(range(64))))
-    cache = PackedCache.from_kv(kv, get_method("kivi2"), keep_dequantized=False)
+    kv = context_states(prefill(tiny.model, list(range(64))))
+    cache = PackedCache.from_states(kv, get_method("kivi2"), keep_dequantized=False)
     _greedy(tiny.model, cache, 1, 4)
     layer = cache.layers[0]
     assert not layer.res_k.requires_grad
@@ -78,7 +78,7 @@ def test_paired_tpot_ratio_ignores_a_machine_that_slows_down(monkeypatch):
         calls.append(cache)
         return token + 1, cost[cache] * (1.0 if len(calls) <= 3 * 8 else 3.0)
 
-    monkeypatch.setattr(sweep.PackedCache, "from_kv", staticmethod(lambda kv, method, **kw: method))
+    monkeypatch.setattr(sweep.PackedCache, "from_states", staticmethod(lambda kv, method, **kw: method))
     monkeypatch.setattr(sweep, "_decode_step", step)
     monkeypatch.setattr(sweep, "fused_decoding", lambda model: contextlib.nullcontext())
     lm = type("LM", (), {"model": None})()

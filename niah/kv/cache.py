@@ -13,6 +13,11 @@ shorter than :data:`MERGE_BELOW` tokens.  ``n`` decode steps leave ``O(log n)`` 
 two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed ~0.05-0.1 ms of Python
 per read (one-off timings here), more than copying a few hundred tokens' codes.
 
+A sliding-window layer (``window`` set) keeps only what transformers' sliding layers keep, the last
+``window - 1`` tokens: it is read back that far, and a chunk is dropped once every one of its tokens is older
+than that (its chunks are never merged, so they can be dropped whole).  A linear-attention layer's recurrent
+state is kept as the model computed it, in a private copy of transformers' layer (:class:`PackedCache`).
+
 Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
 ``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the stored chunks one by one
 (:mod:`niah.kv.attend`) and no dequantized copy of the whole cache is built.  ``keep_dequantized=True`` memoizes the dequantized chunks
@@ -24,35 +29,61 @@ dequantizes the whole stored cache, the real decode path.
 from __future__ import annotations
 
 import contextlib
+import copy
+from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .attend import FUSE_MIN_TOKENS, decode_attention
 from .base import concat_tokens
-from .registry import KVMethod
+from .layout import FULL, LINEAR, SLIDING
+from .registry import KVMethod, get_method
 
 FUSED = "niah_packed"  # the attention implementation that reads PackedLayer codes in decode steps
 MERGE_BELOW = 256  # tokens: a chunk shorter than this absorbs the next one (tokenwise formats)
 
 
+@dataclass
+class LayerState:
+    """One decoder layer's context as a prefill left it (:func:`niah.protocol.context_states`).
+
+    ``kind`` is a :mod:`niah.kv.layout` layer type.  Attention layers hold ``keys`` and ``values``,
+    ``(batch, kv_heads, tokens, head_dim)`` (a sliding layer: its last ``window - 1`` tokens) after reading ``seen``
+    tokens; a linear-attention layer holds ``linear``, a private copy of transformers' layer with its states.
+    """
+
+    kind: str
+    seen: int
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    window: int | None = None
+    linear: LinearAttentionCacheLayerMixin | None = None
+
+
 class PackedLayer(CacheLayerMixin):
-    is_sliding = False
     is_croppable = False
 
-    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True, fused_decode: bool = False):
+    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True, fused_decode: bool = False, window: int | None = None):
         super().__init__()
         self.method = method
-        self.fused_decode = fused_decode
+        self.window = window
+        self.is_sliding = window is not None
+        self.seen = 0  # tokens this layer has read (a sliding layer keeps only the last window - 1 of them)
+        self.fused_decode = fused_decode and window is None
         self.kq = method.key.for_layer(layer_idx)
         self.vq = method.value.for_layer(layer_idx)
-        self.keep_dequantized = keep_dequantized
+        self.keep_dequantized = keep_dequantized and window is None
         self.chunks: list = []
         self.res_k = self.res_v = None
         self._deq: tuple[torch.Tensor, torch.Tensor] | None = None  # the first tokens, dequantized (memo)
+
+    @property
+    def layer_type(self) -> str:
+        return SLIDING if self.is_sliding else FULL
 
     def lazy_initialization(self, key_states, value_states):
         self.device = key_states.device
@@ -80,7 +111,7 @@ class PackedLayer(CacheLayerMixin):
         else:
             self.chunks.append((self.kq.quantize(k), self.vq.quantize(v)))
         self.res_k, self.res_v = self.res_k[..., n:, :].contiguous(), self.res_v[..., n:, :].contiguous()
-        if self.kq.tokenwise and self.vq.tokenwise:
+        if self.kq.tokenwise and self.vq.tokenwise and not self.is_sliding:
             while len(self.chunks) > 1 and self.chunks[-2][0].shape[-2] <= max(self.chunks[-1][0].shape[-2], MERGE_BELOW - 1):
                 (k0, v0), (k1, v1) = self.chunks[-2:]
                 self.chunks[-2:] = [(concat_tokens(k0, k1), concat_tokens(v0, v1))]
@@ -108,21 +139,37 @@ class PackedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        visible = self.get_mask_sizes(key_states.shape[-2])[0]
+        self.seen += key_states.shape[-2]
         self.res_k = torch.cat([self.res_k, key_states], dim=-2)
         self.res_v = torch.cat([self.res_v, value_states], dim=-2)
         self._flush()
         if self.fused_decode and key_states.shape[-2] == 1:
             return self, self  # read by packed_attention (one decode step), not dequantized
         dk, dv = self._dequantized()
-        return torch.cat([dk, self.res_k], dim=-2), torch.cat([dv, self.res_v], dim=-2)
+        k, v = torch.cat([dk, self.res_k], dim=-2), torch.cat([dv, self.res_v], dim=-2)
+        if self.is_sliding:
+            self._drop_outside_window()
+            k, v = k[..., -visible:, :], v[..., -visible:, :]
+        return k, v
+
+    def _drop_outside_window(self) -> None:
+        """Drop the oldest chunks while the rest still holds the last ``window - 1`` tokens."""
+        while self.chunks and self.stored_tokens() - self.chunks[0][0].shape[-2] >= self.window - 1:
+            self.chunks.pop(0)
+
+    def stored_tokens(self) -> int:
+        return sum(k.shape[2] for k, _ in self.chunks) + (self.res_k.shape[-2] if self.is_initialized else 0)
 
     def get_seq_length(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return sum(k.shape[2] for k, _ in self.chunks) + self.res_k.shape[-2]
+        return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        if not self.is_sliding:
+            return self.seen + query_length, 0
+        if self.seen >= self.window:  # as transformers' DynamicSlidingWindowLayer
+            return self.window - 1 + query_length, self.seen - self.window + 1
+        return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -134,32 +181,65 @@ class PackedLayer(CacheLayerMixin):
         return packed, res
 
 
-class PackedCache(Cache):
-    """One :class:`PackedLayer` per decoder layer."""
+SLIDING_LAYERS = ("quantize", "fp16")  # how sliding-window layers are stored: with the method, or kept at fp16
 
-    def __init__(self, method: KVMethod, num_layers: int, keep_dequantized: bool = True, fused_decode: bool = False):
-        super().__init__(layers=[PackedLayer(method, i, keep_dequantized, fused_decode) for i in range(num_layers)])
+
+class PackedCache(Cache):
+    """One :class:`PackedLayer` per attention layer, a private copy of transformers' layer per linear-attention one.
+
+    ``sliding="fp16"`` keeps sliding-window layers at fp16 and stores only full-attention layers with the method;
+    the default ``"quantize"`` stores every attention layer with it.
+    """
+
+    def __init__(self, method: KVMethod, layers: list, sliding: str = "quantize"):
+        super().__init__(layers=layers)
         self.method = method
+        self.sliding = sliding
 
     @classmethod
-    def from_kv(cls, kv: list[tuple[torch.Tensor, torch.Tensor]], method: KVMethod, keep_dequantized: bool = True, fused_decode: bool = False) -> "PackedCache":
-        """Store a prefilled context (per layer ``(keys, values)``, each ``(batch, kv_heads, tokens, head_dim)``)."""
-        cache = cls(method, len(kv), keep_dequantized, fused_decode)
-        for layer, (k, v) in zip(cache.layers, kv):
-            layer.update(k, v)
-        return cache
+    def from_states(cls, states: list[LayerState], method: KVMethod, keep_dequantized: bool = True, fused_decode: bool = False, sliding: str = "quantize") -> "PackedCache":
+        """Store a prefilled context (:func:`niah.protocol.context_states`) with ``method``."""
+        if sliding not in SLIDING_LAYERS:
+            raise ValueError(f"unknown sliding-layer storage {sliding!r}: choose {' or '.join(SLIDING_LAYERS)}")
+        layers = []
+        for i, st in enumerate(states):
+            if st.kind == LINEAR:
+                layers.append(copy.deepcopy(st.linear))
+                continue
+            m = get_method("fp16") if st.kind == SLIDING and sliding == "fp16" else method
+            layer = PackedLayer(m, i, keep_dequantized, fused_decode, window=st.window)
+            layer.update(st.keys, st.values)
+            layer.seen = st.seen
+            layers.append(layer)
+        return cls(method, layers, sliding)
 
     def clone(self) -> "PackedCache":
         other = PackedCache.__new__(PackedCache)
         other.__dict__.update(self.__dict__)
-        other.layers = [layer.clone() for layer in self.layers]
+        other.layers = [layer.clone() if isinstance(layer, PackedLayer) else copy.deepcopy(layer) for layer in self.layers]
         return other
 
     def nbytes(self) -> dict[str, int]:
-        """Stored bytes summed over layers: ``packed``, ``residual`` (full precision) and ``total``."""
-        packed = sum(layer.nbytes()[0] for layer in self.layers)
-        res = sum(layer.nbytes()[1] for layer in self.layers)
-        return {"packed": packed, "residual": res, "total": packed + res}
+        """Stored bytes: ``packed``, ``residual`` (full precision) and ``total`` over the attention layers, the
+        ``total`` of each attention layer type (``full_attention``, ``sliding_attention``), and ``linear_state``,
+        the linear-attention layers' recurrent and convolution states (not KV, never in ``total``)."""
+        out = {"packed": 0, "residual": 0, "total": 0, FULL: 0, SLIDING: 0, "linear_state": 0}
+        for layer in self.layers:
+            if isinstance(layer, PackedLayer):
+                packed, res = layer.nbytes()
+                out["packed"] += packed
+                out["residual"] += res
+                out["total"] += packed + res
+                out[layer.layer_type] += packed + res
+            else:
+                out["linear_state"] += linear_state_bytes(layer)
+        return out
+
+
+def linear_state_bytes(layer: LinearAttentionCacheLayerMixin) -> int:
+    """Bytes of a linear-attention layer's convolution and recurrent states."""
+    states = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+    return sum(t.numel() * t.element_size() for t in states if t is not None)
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

@@ -24,7 +24,7 @@ from ..haystack import haystack_text, tokenize_haystack
 from ..kv.registry import get_method
 from ..needles import NeedleSpec, make_trial
 from ..prompts import build_cell
-from ..protocol import compare_logits, context_kv, prefill, run_method
+from ..protocol import compare_logits, context_states, kv_entries, prefill, run_method
 from ..results import ResultsTable
 from ..scoring import string_match_all
 from .schemes import FP32, QuantizedModel
@@ -76,9 +76,9 @@ class NeedleBench:
         """Prefill the cell once with the model as it is now, then ask through each KV method."""
         p, n = self.prompts[cell], self.cfg["niah"]
         t0 = time.perf_counter()
-        kv = context_kv(prefill(self.lm.model, p.prefill_ids, chunk=n["prefill_chunk"]))
+        kv = context_states(prefill(self.lm.model, p.prefill_ids, chunk=n["prefill_chunk"]))
         prefill_s = time.perf_counter() - t0
-        values = len(p.prefill_ids) * kv[0][0].shape[1] * kv[0][0].shape[3] * 2 * len(kv)
+        values = kv_entries(kv)
         out = {}
         for m in methods:
             ans, stored, _ = run_method(self.lm.model, self.lm.tokenizer, kv, get_method(m), p.question_ids, p.answer_ids, n["max_new_tokens"])
