@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from .config import ConfigError
+    from .kv.layout import UnsupportedLayout
     from .models import ModelUnavailable
     from .reportcheck import ReportCheckError
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             from .env import environment_record
 
             print(json.dumps(environment_record(), indent=1))
-    except (ConfigError, ModelUnavailable, FileNotFoundError, ReportCheckError) as err:
+    except (ConfigError, ModelUnavailable, UnsupportedLayout, FileNotFoundError, ReportCheckError) as err:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     return 0

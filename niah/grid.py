@@ -3,7 +3,7 @@
 Work that need not be repeated is not: a cell is prefilled once for all its KV methods, and since
 attention is causal the cache of the haystack before the first needle is shared by every cell.  Cells run
 in order of that shared prefix; the prefix cache only grows, and each cell's own tokens are cropped off
-again afterwards.
+again afterwards (a model with linear-attention layers, whose state cannot be cropped, prefills every cell).
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from . import env
 from .haystack import haystack_text, tokenize_haystack
+from .kv.layout import CacheLayout
 from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial
 from .prompts import CellPrompt, build_cell
@@ -75,6 +78,7 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
     methods = {m: get_method(m) for m in n["methods"]}
     for m in methods.values():
         m.check_head_dim(loaded.head_dim)
+    CacheLayout.from_config(loaded.model.config).check_context(min(n["lengths"]), loaded.name)
 
     def missing(cell):
         return [m for m in methods if table.key(_base_row(cfg, loaded.name, cell, m)) not in table.done]
@@ -112,10 +116,15 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
 
 
 def _extend_shared(model, base, base_ids, p: CellPrompt, chunk: int):
-    """Grow the shared-prefix cache to this cell's shared prefix (restart it if it is not a prefix)."""
+    """Grow the shared-prefix cache to this cell's shared prefix (restart it if it is not a prefix, or if the
+    last cell's tokens could not be cropped off: linear-attention states cannot be rolled back).  Its sliding
+    layers record their past, so that :meth:`~transformers.Cache.crop` can take a cell's tokens off them."""
     want = p.prefill_ids[: p.shared_prefix]
-    if base is None or want[: len(base_ids)] != base_ids or any(getattr(layer, "is_sliding", False) for layer in base.layers):
-        base, base_ids = None, []
+    if base is None or want[: len(base_ids)] != base_ids or not base.is_croppable:
+        base, base_ids = DynamicCache(config=model.config), []
+        for layer in base.layers:
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.activate_past_recording()
     base = prefill(model, want[len(base_ids) :], base, chunk)
     return base, want
 
@@ -150,5 +159,5 @@ def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_metho
             })
         return rows
     finally:
-        if len(p.prefill_ids) > shared:
+        if len(p.prefill_ids) > shared and base.is_croppable:
             base.crop(shared - len(p.prefill_ids))

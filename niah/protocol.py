@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from .kv.cache import LayerState, PackedCache
-from .kv.layout import FULL, LINEAR, SLIDING
+from .kv.layout import FULL, LINEAR, SLIDING, UnsupportedLayout
 from .kv.registry import KVMethod
 
 
@@ -46,14 +46,19 @@ def context_states(cache: DynamicCache) -> list[LayerState]:
     each linear-attention layer, whose states transformers updates in place."""
     seen = cache.get_seq_length()
     out = []
-    for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is LinearAttentionLayer:
             out.append(LayerState(LINEAR, seen, linear=copy.deepcopy(layer)))
-        elif isinstance(layer, DynamicSlidingWindowLayer):
+        elif type(layer) is DynamicSlidingWindowLayer:
             keep = layer.sliding_window - 1
             out.append(LayerState(SLIDING, seen, layer.keys[..., -keep:, :], layer.values[..., -keep:, :], layer.sliding_window))
-        else:
+        elif type(layer) is DynamicLayer:
             out.append(LayerState(FULL, seen, layer.keys, layer.values))
+        else:
+            raise UnsupportedLayout(
+                f"layer {i} keeps a {type(layer).__name__}, which this repo's cache cannot store (it stores full-attention, "
+                "sliding-window and linear-attention layers): use a model whose layers are of those types"
+            )
     return out
 
 

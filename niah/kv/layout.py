@@ -19,6 +19,10 @@ FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention
 LAYER_TYPES = (FULL, SLIDING, LINEAR)
 
 
+class UnsupportedLayout(ValueError):
+    """A model's layers cannot be stored here, or not at the asked context length; the message names the fix."""
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """Per-layer storage of one model: ``layer_types[i]`` is one of :data:`LAYER_TYPES`."""
@@ -27,6 +31,7 @@ class CacheLayout:
     kv_heads: int
     head_dim: int
     window: int | None = None  # sliding_window of the sliding layers (tokens attended, the new one included)
+    linear_state: int = 0  # values of one linear-attention layer's convolution and recurrent states
 
     @classmethod
     def from_config(cls, config) -> "CacheLayout":
@@ -35,13 +40,17 @@ class CacheLayout:
         types = tuple(getattr(c, "layer_types", None) or [FULL] * c.num_hidden_layers)
         bad = sorted({t for t in types if t not in LAYER_TYPES})
         if bad:
-            raise ValueError(
+            raise UnsupportedLayout(
                 f"layer type(s) {bad} of {c.model_type} cannot be stored by this repo's cache (it stores "
                 f"{', '.join(LAYER_TYPES)}): pick a model whose layers are of those types"
             )
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         window = getattr(c, "sliding_window", None) if SLIDING in types else None
-        return cls(types, c.num_key_value_heads, head_dim, window)
+        linear = 0
+        if LINEAR in types:  # Gated DeltaNet: a causal conv over q, k and v, and one d_k x d_v state per value head
+            nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+            linear = (2 * nk * dk + nv * dv) * c.linear_conv_kernel_dim + nv * dk * dv
+        return cls(types, c.num_key_value_heads, head_dim, window, linear)
 
     def count(self, kind: str) -> int:
         return sum(t == kind for t in self.layer_types)
@@ -59,6 +68,10 @@ class CacheLayout:
         per_token = 2 * self.kv_heads * self.head_dim
         return {k: self.count(k) * self.stored_tokens(k, tokens) * per_token for k in (FULL, SLIDING) if self.count(k)}
 
+    def linear_state_values(self) -> int:
+        """Values of every linear-attention layer's states together (the same at every context length)."""
+        return self.count(LINEAR) * self.linear_state
+
     def kv_bytes(self, tokens: int, bits_per_value: float) -> dict[str, float]:
         """Analytical KV bytes per attention layer type at ``bits_per_value``, and their ``total``."""
         out = {k: n * bits_per_value / 8 for k, n in self.kv_values(tokens).items()}
@@ -67,7 +80,16 @@ class CacheLayout:
     def check_context(self, tokens: int, model_name: str) -> None:
         """Raise if a sliding window is longer than a ``tokens`` context (its sliding layers would be full ones)."""
         if self.window is not None and self.window > tokens:
-            raise ValueError(
+            raise UnsupportedLayout(
                 f"{model_name}'s sliding window ({self.window} tokens) is longer than a {tokens}-token context, so its "
                 f"sliding layers would act as full attention: use contexts of at least {self.window} tokens"
             )
+
+
+def qwen3_5_35b_a3b_config():
+    """The text architecture of ``Qwen/Qwen3.5-35B-A3B``, the seeds' model, without its weights: transformers'
+    ``Qwen3_5MoeTextConfig`` defaults, which its docstring gives as that checkpoint's (40 layers, every 4th full
+    attention with 2 KV heads of 256, the others Gated DeltaNet), with its 262,144-token context."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3_5_moe_text", max_position_embeddings=262144)
