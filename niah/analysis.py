@@ -61,7 +61,8 @@ def at_lengths(sweep: pd.DataFrame, lengths=(4096, 8192, 16384), ref: str = "fp1
     ok["bytes_per_token"] = ok["kv_bytes"] / ok["length"]
     base = ok[ok["method"] == ref].set_index("length")
     ok["bytes_vs_ref"] = ok["kv_bytes"] / ok["length"].map(base["kv_bytes"])
-    cols = ["method", "length", "bytes_per_token", "bits_per_value", "bytes_vs_ref", "tpot_median_s", "tpot_vs_ref", "score", "kl_vs_ref"]
+    cols = ["method", "length", "bytes_per_token", "bits_per_value", "bytes_vs_ref", "tpot_median_s", "tpot_vs_ref", "tpot_vs_ref_low",
+            "tpot_vs_ref_high", "score", "kl_vs_ref"]
     return ok[[c for c in cols if c in ok]].sort_values(["length", "bytes_per_token"])
 
 

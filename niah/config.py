@@ -80,7 +80,7 @@ def validate(raw: dict, where: str = "config") -> dict:
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise ConfigError(f"{where}: missing required setting(s) {', '.join(missing)}")
-    cfg = _merge({**DEFAULTS, "name": None, "model": {}, "description": "", "sweep": {}, "weightquant": {}, "kv_perplexity": {}}, raw, "", strict=True)
+    cfg = _merge({**DEFAULTS, "name": None, "model": {}, "description": "", "sweep": {}, "weightquant": {}, "kv_perplexity": {}, "battery": {}, "weight_model": None}, raw, "", strict=True)
     n = cfg["niah"]
     if not n["lengths"] or any(not isinstance(x, int) or x <= 0 for x in n["lengths"]):
         raise ConfigError(f"{where}: niah.lengths must be positive integers (tokens); got {n['lengths']}")
@@ -110,3 +110,8 @@ def config_hash(cfg: dict) -> str:
     """12 hex digits of the sha256 of the config's canonical JSON (without the hash itself)."""
     body = {k: v for k, v in cfg.items() if k != "hash"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def weight_model(cfg: dict) -> dict:
+    """The model spec of the weight-quantization notebooks (01, 02): ``weight_model:`` if set, else ``model:``."""
+    return cfg["weight_model"] or cfg["model"]

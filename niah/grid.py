@@ -53,7 +53,7 @@ def trial_rng(cfg: dict, cell: Cell) -> random.Random:
     return random.Random(f"{cfg['seed']}/{cell.length}/{cell.depth}/{cell.trial}")
 
 
-def _base_row(cfg, model_name, cell: Cell, method: str) -> dict:
+def base_row(cfg, model_name, cell: Cell, method: str) -> dict:
     return {
         "config": cfg["name"], "config_hash": cfg["hash"], "model": model_name, "prompt_style": cell.style,
         "length": cell.length, "depth": cell.depth, "trial": cell.trial, "method": method, "seed": cfg["seed"],
@@ -62,7 +62,7 @@ def _base_row(cfg, model_name, cell: Cell, method: str) -> dict:
     }
 
 
-def _too_long_reason(cfg, loaded, cell_tokens: int) -> str | None:
+def too_long_reason(cfg, loaded, cell_tokens: int) -> str | None:
     limit = loaded.max_context
     if cell_tokens <= limit:
         return None
@@ -81,7 +81,7 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
     CacheLayout.from_config(loaded.model.config).check_context(min(n["lengths"]), loaded.name)
 
     def missing(cell):
-        return [m for m in methods if table.key(_base_row(cfg, loaded.name, cell, m)) not in table.done]
+        return [m for m in methods if table.key(base_row(cfg, loaded.name, cell, m)) not in table.done]
 
     todo = [c for c in cells(cfg) if missing(c)]
     if not todo:
@@ -96,17 +96,17 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
         for cell in sorted((c for c in todo if c.style == style), key=lambda c: (prompts[c].shared_prefix, c.length, c.depth, c.trial)):
             p = prompts[cell]
             todo_methods = missing(cell)
-            reason = _too_long_reason(cfg, loaded, len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"]))
+            reason = too_long_reason(cfg, loaded, len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"]))
             if reason:
                 for m in todo_methods:
-                    table.append({**_base_row(cfg, loaded.name, cell, m), "status": "too_long", "reason": reason})
+                    table.append({**base_row(cfg, loaded.name, cell, m), "status": "too_long", "reason": reason})
                 bar.update(len(todo_methods))
                 continue
             try:
                 base, base_ids = _extend_shared(loaded.model, base, base_ids, p, n["prefill_chunk"])
                 rows = _run_cell(cfg, loaded, base, len(base_ids), p, methods, todo_methods, cell)
             except (torch.OutOfMemoryError, MemoryError) as err:
-                rows = [{**_base_row(cfg, loaded.name, cell, m), "status": "oom", "reason": str(err)[:300]} for m in todo_methods]
+                rows = [{**base_row(cfg, loaded.name, cell, m), "status": "oom", "reason": str(err)[:300]} for m in todo_methods]
                 base, base_ids = None, []
             for row in rows:
                 table.append(row)
@@ -148,7 +148,7 @@ def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_metho
             kl, top1 = compare_logits(answers[ref_name].answer_logsoftmax, ans.answer_logsoftmax)
             values = kv_entries(kv)
             rows.append({
-                **_base_row(cfg, loaded.name, cell, name), "status": "ok", "reason": "",
+                **base_row(cfg, loaded.name, cell, name), "status": "ok", "reason": "",
                 "context_tokens": len(p.prefill_ids), "needle_position": p.needle_at / len(p.prefill_ids),
                 "expected": p.expected, "generated": ans.text, "score": string_match_all(ans.text, p.expected),
                 "answer_logprob": ans.answer_logprob, "answer_tokens": len(p.answer_ids), "kl_vs_ref": kl, "top1_vs_ref": top1,

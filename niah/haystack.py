@@ -11,6 +11,7 @@ Tokenizing sentence by sentence gives exact sentence boundaries in token space, 
 
 from __future__ import annotations
 
+import bisect
 import re
 import warnings
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ class TokenHaystack:
     def nearest_start(self, position: float) -> int:
         """The sentence start closest to token ``position`` (ties go to the earlier one)."""
         return min(self.starts, key=lambda s: (abs(s - position), s))
+
+    def start_before(self, position: float) -> int:
+        """The last sentence start at or before token ``position`` (0 if none)."""
+        return self.starts[max(bisect.bisect_right(self.starts, position) - 1, 0)]
 
 
 def tokenize_haystack(text: str, tokenizer, n_tokens: int) -> TokenHaystack:

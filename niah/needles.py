@@ -29,7 +29,7 @@ NOUN = {"number": "special magic number", "uuid": "special magic uuid", "percent
 VARIANTS = ("single", "multi_key", "multi_value", "multi_query")
 
 INTRO = (
-    "Some special magic {nouns} are hidden within the following text. Make sure to memorize them. "
+    "Some {nouns} are hidden within the following text. Make sure to memorize them. "
     "I will quiz you about them afterwards.\n"
 )
 NEEDLE = " One of the {noun}s for {key} is: {value}."

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .config import ROOT, load_config
+from .config import ROOT, load_config, weight_model
 
 
 def setup(config: str, run_dir: str | None = None, figures_dir: str | None = None) -> tuple[dict, Path, Path]:
@@ -24,10 +24,13 @@ def setup(config: str, run_dir: str | None = None, figures_dir: str | None = Non
     return cfg, runs, figs
 
 
-def load(cfg: dict):
+def load(cfg: dict, role: str = "needles"):
+    """The config's model for ``role``: ``needles`` (``model:``, notebooks 00, 03, 04) or ``weights``
+    (``weight_model:`` where the config names one, else ``model:``; notebooks 01 and 02)."""
     from .models import load_model
 
-    return load_model(cfg["model"], device=cfg["device"])
+    return load_model(weight_model(cfg) if role == "weights" else cfg["model"], device=cfg["device"])
+
 
 
 def save_json(obj, path: Path) -> None:
@@ -92,9 +95,10 @@ def cold_warm(cfg: dict, run_dir: Path) -> pd.DataFrame | str:
     if path.exists():
         runs = json.loads(path.read_text())
     else:
-        runs = cold_vs_warm(cfg["name"], spec["target"], spec["warmup"])
+        runs = cold_vs_warm(cfg["name"], spec["target"], spec["warmup"], spec.get("repeats", 1))
         save_json(runs, path)
-    return pd.DataFrame({k: runs[k] for k in ("cold", "warm")}).T.assign(reduction=runs["reduction"])
+    return pd.DataFrame({"cold_s": runs["cold_s"], "warm_s": runs["warm_s"]}).describe().loc[["count", "50%", "min", "max"]].assign(
+        reduction_of_medians=runs["reduction"], target=runs["target"], warmup=runs["warmup"])
 
 
 def claims_ledger(cfg: dict, run_dir: Path) -> pd.DataFrame:

@@ -31,7 +31,7 @@ class CellPrompt:
     shared_prefix: int  # leading tokens identical for every cell of this config (intro + haystack before any needle)
 
 
-def _frame(tokenizer, style: str, intro: str, question: str, answer_prefix: str) -> tuple[str, str]:
+def frame(tokenizer, style: str, intro: str, question: str, answer_prefix: str) -> tuple[str, str]:
     """Text before and after the context for ``style``."""
     if style == "completion":
         return intro, question + answer_prefix
@@ -50,7 +50,7 @@ def build_cell(tokenizer, hay: TokenHaystack, length: int, depth: float, trial: 
     """Ids for a context of exactly ``length`` tokens with the trial's needles at ``depth``."""
     question, answer_prefix = question_texts(trial)
     intro = INTRO.format(nouns=NOUN[trial.kind] + "s")
-    before, after = _frame(tokenizer, style, intro, question, answer_prefix)
+    before, after = frame(tokenizer, style, intro, question, answer_prefix)
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) and style == "completion" else []
     head = bos + tokenizer.encode(before, add_special_tokens=False)
     needles = [tokenizer.encode(needle_text(trial.kind, k, v), add_special_tokens=False) for k, v in trial.needles]

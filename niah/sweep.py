@@ -12,7 +12,7 @@ method the sweep records:
 * TPOT: median and p90 over ``sweep.decode_steps`` greedy decode steps on the real decode path
   (``keep_dequantized=False``: every step reads the whole stored cache, chunk by chunk, through
   :mod:`niah.kv.attend`), timed with the methods' steps interleaved, and its ratio to the reference method
-  paired round by round (:func:`_paired_tpot`);
+  paired round by round (:func:`_paired_tpot`), with a bootstrap interval over rounds;
 * retrieval of the needle (once the step is long enough to hold it) and KL against the reference method.
 
 Rows are keyed by (config, model, method, length); a killed sweep resumes where it stopped.  A step
@@ -27,6 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -96,11 +97,19 @@ def _paired_tpot(lm, kv, methods: dict, first: dict[str, int], steps: int, ref: 
             for n in names[r % len(names):] + names[: r % len(names)]:
                 tokens[n], seconds = _decode_step(lm.model, caches[n], tokens[n])
                 times[n].append(seconds)
-    return {
-        n: {"tpot_median_s": statistics.median(ts), "tpot_p90_s": _percentile(ts, 0.9),
-            "tpot_vs_ref": statistics.median([t / t_ref for t, t_ref in zip(ts, times[ref])])}
-        for n, ts in times.items()
-    }
+    out = {}
+    for n, ts in times.items():
+        ratios = np.array([t / t_ref for t, t_ref in zip(ts, times[ref])])
+        low, high = _median_interval(ratios)
+        out[n] = {"tpot_median_s": statistics.median(ts), "tpot_p90_s": _percentile(ts, 0.9),
+                  "tpot_vs_ref": float(np.median(ratios)), "tpot_vs_ref_low": low, "tpot_vs_ref_high": high}
+    return out
+
+
+def _median_interval(x: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of ``x`` (the spread of a paired ratio over rounds)."""
+    medians = np.median(x[np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))], axis=1)
+    return float(np.quantile(medians, 0.025)), float(np.quantile(medians, 0.975))
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -237,18 +246,22 @@ def first_request_ttft(cfg: dict, target: int, warmup: int = 0) -> dict:
     return out
 
 
-def cold_vs_warm(config: str, target: int, warmup: int) -> dict:
-    """TTFT of the first ``target``-token request in a fresh process, without and with a ``warmup``-token request first."""
+def cold_vs_warm(config: str, target: int, warmup: int, repeats: int = 1) -> dict:
+    """TTFT of the first ``target``-token request in a fresh process, without and with a ``warmup``-token request
+    first, ``repeats`` times each (cold and warm alternate, so a slow spell of the machine hits both).
+
+    Returns ``{"target", "warmup", "cold_s": [...], "warm_s": [...], "reduction"}``, the reduction of the medians."""
     import json
     import subprocess
     import sys
 
-    runs = {}
-    for label, w in (("cold", 0), ("warm", warmup)):
-        code = f"import json; from niah.config import load_config; from niah.sweep import first_request_ttft; print(json.dumps(first_request_ttft(load_config({config!r}), {target}, {w})))"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=env.ROOT)
-        if proc.returncode:
-            raise RuntimeError(f"the {label} TTFT probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-        runs[label] = json.loads(proc.stdout.strip().splitlines()[-1])
-    runs["reduction"] = 1 - runs["warm"]["ttft_s"] / runs["cold"]["ttft_s"]
+    runs = {"target": target, "warmup": warmup, "cold_s": [], "warm_s": []}
+    for _ in range(repeats):
+        for label, w in (("cold", 0), ("warm", warmup)):
+            code = f"import json; from niah.config import load_config; from niah.sweep import first_request_ttft; print(json.dumps(first_request_ttft(load_config({config!r}), {target}, {w})))"
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=env.ROOT)
+            if proc.returncode:
+                raise RuntimeError(f"the {label} TTFT probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+            runs[f"{label}_s"].append(json.loads(proc.stdout.strip().splitlines()[-1])["ttft_s"])
+    runs["reduction"] = 1 - statistics.median(runs["warm_s"]) / statistics.median(runs["cold_s"])
     return runs

@@ -213,6 +213,13 @@ class PackedCache(Cache):
             layers.append(layer)
         return cls(method, layers, sliding)
 
+    def dequantize_now(self) -> None:
+        """Dequantize every stored chunk now (``keep_dequantized`` layers), so that clones share the result
+        instead of each dequantizing the whole context again."""
+        for layer in self.layers:
+            if isinstance(layer, PackedLayer) and layer.keep_dequantized:
+                layer._dequantized()
+
     def clone(self) -> "PackedCache":
         other = PackedCache.__new__(PackedCache)
         other.__dict__.update(self.__dict__)

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from .. import env
 from ..analysis import summarize
+from ..config import weight_model
 from ..models import cache_dir
 from ..results import ResultsTable
 from . import autoround
@@ -95,7 +96,7 @@ class Study:
 
     def _key(self, scheme: Scheme, **extra) -> dict:
         weights = {k: v for k, v in scheme.fields().items() if k in ("w_bits", "group", "w_sym", "rounding")}
-        return {"model": self.cfg["model"], "calibration": windows_hash(self.calibration), "seed": self.cfg["seed"], **weights, **extra}
+        return {"model": weight_model(self.cfg), "calibration": windows_hash(self.calibration), "seed": self.cfg["seed"], **weights, **extra}
 
     def _autoround(self, scheme: Scheme):
         a = self.s["autoround"]
