@@ -3,37 +3,48 @@
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from niah import claims
 from niah.claims import Evidence, claim_ids, ledger
+from niah.kv.layout import qwen3_5_35b_a3b_config
 
 SEED_CLAIMS = Path(__file__).resolve().parents[2] / "shared" / "seed-claims.md"
 
 
-def _niah(**methods):
-    """Rows for methods given as name=(accuracy, bits, kl, logprob)."""
+def _niah(n=100, **methods):
+    """``n`` questions answered by each method given as name=(accuracy, bits, kl, logprob): the first
+    ``accuracy * n`` questions right; ``kl`` may be a list, one value per question."""
     rows = []
     for name, (acc, bits, kl, lp) in methods.items():
-        for i in range(10):
-            rows.append({"method": name, "status": "ok", "score": float(i < acc * 10), "bits_per_value": bits,
-                         "kl_vs_ref": kl, "top1_vs_ref": 1.0, "answer_logprob": lp, "needle_kind": "number"})
+        for i in range(n):
+            rows.append({"method": name, "status": "ok", "prompt_style": "plain", "length": (4096, 8192)[i % 2], "depth": i // 2, "trial": 0,
+                         "score": float(i < acc * n), "bits_per_value": bits, "kl_vs_ref": kl[i] if isinstance(kl, list) else kl,
+                         "top1_vs_ref": 1.0, "answer_logprob": lp, "needle_kind": "number"})
     return pd.DataFrame(rows)
 
 
-def _sweep(bytes_per_token: dict, tpot: dict, ttft_extra: dict, power: float = 1.0):
+def _sweep(bytes_per_token: dict, tpot: dict, ttft_extra: dict, power: float = 1.0, tpot_spread: float | None = 0.05):
+    """Sweep rows; the TPOT ratio's interval over rounds is its value +- ``tpot_spread`` (no interval columns if None)."""
     rows = []
     for m, bpt in bytes_per_token.items():
         for L in (1, 1024, 4096, 8192, 16384):
+            ratio = tpot[m] / tpot["fp16"]
+            spread = {} if tpot_spread is None else {"tpot_vs_ref_low": ratio - tpot_spread, "tpot_vs_ref_high": ratio + tpot_spread}
             rows.append({"method": m, "length": L, "status": "ok", "kv_bytes": bpt * L**power, "ttft_s": 1e-4 * L + ttft_extra[m],
-                         "tpot_median_s": tpot[m], "tpot_vs_ref": tpot[m] / tpot["fp16"], "trace_t": [], "trace_bytes": [], "memory_source": "process RSS"})
+                         "tpot_median_s": tpot[m], "tpot_vs_ref": ratio, **spread, "decode_steps": 32, "trace_t": [], "trace_bytes": [],
+                         "memory_source": "process RSS"})
     return pd.DataFrame(rows)
 
 
 def verdict(cid, ev):
-    row = ledger(ev).set_index("id").loc[cid]
-    return row["verdict"].split(" ")[0]
+    return row(cid, ev)["verdict"].split(" ")[0]
+
+
+def row(cid, ev):
+    return ledger(ev).set_index("id").loc[cid]
 
 
 @pytest.mark.skipif(not SEED_CLAIMS.exists(), reason="the steering repo's shared/ is not beside this checkout")
@@ -66,16 +77,54 @@ def test_needle_verdicts_follow_the_measurements(cid, good, bad):
 def test_sweep_verdicts_follow_the_measurements():
     linear = _sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": 0.7}, {"fp16": 0, "q8_0": 0})
     curved = _sweep({"fp16": 1, "q8_0": 0.5}, {"fp16": 1.0, "q8_0": 1.4}, {"fp16": 0, "q8_0": 5}, power=2)
-    for cid in ("S0-5", "S0-11", "S0-12", "S0-13"):
+    for cid in ("S0-5", "S0-11", "S0-13"):
         assert verdict(cid, Evidence("x", sweep=linear)) != verdict(cid, Evidence("x", sweep=curved)), cid
 
 
+def test_ttft_spread_is_inconclusive_while_each_ttft_is_measured_once():
+    for extra, spread in ((0, "1.00"), (5, "13.21")):  # at 4K: (0.41 s + 5 s) / 0.41 s
+        r = row("S0-12", Evidence("x", sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": 0.7}, {"fp16": 0, "q8_0": extra})))
+        assert r["verdict"] == "inconclusive (no spread measured: one TTFT per method and length)"
+        assert f"TTFT max/min across methods at >= 4K: {spread}," in r["measured"]
+
+
+def test_tpot_verdict_needs_an_interval_over_rounds():
+    def tpot(q8, spread):
+        return row("S0-13", Evidence("x", sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": q8}, {"fp16": 0, "q8_0": 0}, tpot_spread=spread)))
+
+    assert tpot(0.78, 0.03)["verdict"] == "supported"
+    assert tpot(0.95, 0.03)["verdict"] == "refuted"
+    assert tpot(0.84, 0.05)["verdict"] == "inconclusive (n=32 rounds, TPOT ratio 0.84 [0.79, 0.89])"
+    assert tpot(0.7, None)["verdict"] == "inconclusive (no spread measured: one median ratio per step)"
+    measured = tpot(0.78, 0.03)["measured"]
+    assert "[0.75, 0.81]" in measured and "against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel)" in measured
+    assert "against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel)" in tpot(0.7, None)["measured"]
+
+
+def _traces(periodic: int, flat: int) -> pd.DataFrame:
+    """Sweep rows with memory traces: ``periodic`` oscillating with a 237 ms period, ``flat`` constant."""
+    t = np.arange(0, 3, 0.02)
+    wave = list(1e9 + 1e8 * np.sin(2 * np.pi * t / 0.237))
+    return pd.DataFrame([{"method": "fp16", "length": 1024 * i, "status": "ok", "trace_t": list(t), "trace_bytes": wave if i < periodic else [1e9] * len(t),
+                          "memory_source": "process RSS"} for i in range(periodic + flat)])
+
+
+def test_breathing_verdict_needs_most_traces_periodic_beyond_chance():
+    assert verdict("S0-10", Evidence("x", sweep=_traces(20, 0))) == "supported"
+    assert verdict("S0-10", Evidence("x", sweep=_traces(0, 20))) == "refuted"
+    assert verdict("S0-10", Evidence("x", sweep=_traces(1, 19))) == "refuted"
+    r = row("S0-10", Evidence("x", sweep=_traces(3, 2)))
+    assert r["verdict"].startswith("inconclusive (n=5 traces, share 0.60 [") and "3 of 5 traces" in r["measured"]
+
+
 def _kv_ppl(**ratios):
-    """Perplexity rows: fp16 and each method at a perplexity ``ratio`` times fp16's, over 6 windows of 100 tokens."""
-    rows = []
+    """Perplexity rows: fp16 and each method at a perplexity ``ratio`` times fp16's (one ratio for 6 windows, or a
+    list of one per window) over windows of 100 tokens."""
+    rows, windows = [], max((len(r) for r in ratios.values() if isinstance(r, list)), default=6)
     for m, ratio in {"fp16": 1.0, **ratios}.items():
-        for w in range(6):
-            rows.append({"method": m, "window": w, "status": "ok", "nll_sum": 200.0 + w + 100 * math.log(ratio), "scored_tokens": 100,
+        per_window = ratio if isinstance(ratio, list) else [ratio] * windows
+        for w, r in enumerate(per_window):
+            rows.append({"method": m, "window": w, "status": "ok", "nll_sum": 200.0 + w + 100 * math.log(r), "scored_tokens": 100,
                          "kl_vs_ref": 0.0, "top1_vs_ref": 1.0, "bits_per_value": 8.0})
     return pd.DataFrame(rows)
 
@@ -83,25 +132,117 @@ def _kv_ppl(**ratios):
 def test_perplexity_verdicts_follow_the_measurements():
     assert verdict("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=1.05))) == "supported"
     assert verdict("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=1.001))) == "refuted"
+    r = row("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=[0.99, 1.04, 1.0, 1.03])))
+    assert r["verdict"].startswith("inconclusive (n=4 windows, perplexity int8_token +1.48% [") and "in 4 windows" in r["measured"]
     needles = _niah(fp16=(1, 16, 0, -1), turbo3=(1, 3.25, 0, -1))
     assert verdict("S1-5", Evidence("x", niah=needles, kv_ppl=_kv_ppl(turbo3=1.2))) == "refuted"
-    assert verdict("S1-5", Evidence("x", niah=needles, kv_ppl=_kv_ppl(turbo3=1.0))) == "partly"
+    r = row("S1-5", Evidence("x", niah=needles, kv_ppl=_kv_ppl(turbo3=1.0)))
+    assert r["verdict"] == "inconclusive (code completion not measured; no needle loss: supported; no perplexity loss: supported)"
+
+
+def test_accuracy_drop_interval_is_paired_and_stays_wide_with_few_questions():
+    d = claims._drops(Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0, -1))), "q8_0")["q8_0"]
+    assert d["n"] == 5 and d["drop"] == 0 and d["drop_low"] < -0.4 and d["drop_high"] > 0.4  # a bootstrap would give [0, 0]
+    d = claims._drops(Evidence("x", niah=_niah(n=100, fp16=(0.8, 16, 0, -1), q8_0=(0.8, 8.5, 0, -1))), "q8_0")["q8_0"]
+    assert -0.05 < d["drop_low"] < 0 < d["drop_high"] < 0.05  # the same questions right: the pairing narrows it
+    d = claims._drops(Evidence("x", niah=_niah(n=100, fp16=(1, 16, 0, -1), q4_0=(0.3, 4.5, 0, -1))), "q4_0")["q4_0"]
+    assert (d["losses"], d["gains"]) == (70, 0) and 0.55 < d["drop_low"] < 0.7 < d["drop_high"] < 0.8 and d["p"] < 1e-15
+
+
+def test_accuracy_drop_interval_matches_newcombes_square_and_add():
+    """Fagerland, Lydersen and Laake's worked example (Bentur et al. 2009): 1 both right, 1 only the reference,
+    7 only the other method, 12 neither; Newcombe's square-and-add interval as their contingencytables R package
+    computes it is [-0.5069, -0.0256]."""
+    cells = [(1, 1)] + [(1, 0)] + [(0, 1)] * 7 + [(0, 0)] * 12
+    rows = [{"method": m, "status": "ok", "prompt_style": "plain", "length": 1, "depth": i, "trial": 0, "score": float(s), "answer_logprob": 0.0}
+            for i, pair in enumerate(cells) for m, s in zip(("fp16", "x"), pair)]
+    d = claims._drops(Evidence("x", niah=pd.DataFrame(rows)), "x")["x"]
+    assert (d["drop"], d["drop_low"], d["drop_high"]) == pytest.approx((-6 / 21, -0.5069, -0.0256), abs=1e-4)
+
+
+def test_retrieval_verdict_needs_paired_intervals():
+    def s0_7(n, q8, q4):
+        return row("S0-7", Evidence("x", niah=_niah(n=n, fp16=(1, 16, 0, -1), q8_0=(q8, 8.5, 1e-3, -1), q4_0=(q4, 4.5, 0.5, -5))))
+
+    assert s0_7(100, 1, 0.3)["verdict"] == "supported"
+    assert s0_7(100, 0.7, 0.95)["verdict"] == "refuted"
+    assert s0_7(100, 1, 0.95)["verdict"] == "partly (q8_0 keeps accuracy: supported; q4_0 collapses it: refuted)"
+    small = s0_7(5, 1, 0.4)
+    assert small["verdict"].startswith("inconclusive (q8_0 keeps accuracy: inconclusive (n=5, accuracy drop 0.00 [")
+    assert "on the same 5 questions" in small["measured"] and "McNemar p = " in small["measured"]
+
+
+def test_turbo3_needle_loss_verdict_needs_enough_questions():
+    def s1_5(n, acc):
+        return row("S1-5", Evidence("x", niah=_niah(n=n, fp16=(1, 16, 0, -1), turbo3=(acc, 3.1, 0, -1))))
+
+    assert s1_5(100, 0.5)["verdict"] == "refuted"
+    assert s1_5(100, 1)["verdict"] == "inconclusive (code completion not measured; no needle loss: supported)"
+    assert s1_5(5, 0.6)["verdict"].startswith("inconclusive (code completion not measured; no needle loss: inconclusive (n=5, accuracy drop 0.40 [")
+    # 5 of 6 lost and none gained: the interval lies above 0.1, but McNemar's p = 0.0625 does not show a drop
+    few = s1_5(6, 1 / 6)
+    assert few["verdict"].startswith("inconclusive (code completion not measured; no needle loss: inconclusive (n=6, accuracy drop 0.83 [0.28, ")
+
+
+def test_kl_verdicts_need_their_interval():
+    spread = [0.0, 0.12, 0.01, 0.1, 0.02]
+    r = row("S0-14", Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, spread, -1))))
+    assert r["verdict"].startswith("inconclusive (n=5, mean KL 0.050 [") and "over 5 questions" in r["measured"]
+    assert verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, spread * 10, -1)))) == "inconclusive"
+    assert verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k / 10 for k in spread] * 10, -1)))) == "supported"
+    assert verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k + 0.1 for k in spread] * 10, -1)))) == "refuted"
+    e4, e5 = [0.01, 0.03, 0.02, 0.05, 0.01], [0.02, 0.01, 0.04, 0.02, 0.03]
+    fp8 = lambda a, b: Evidence("x", niah=_niah(n=len(a), fp8_e4m3=(1, 8, a, -1), fp8_e5m2=(1, 8, b, -1)))  # noqa: E731
+    assert verdict("S3-9", fp8(e4, e5)) == "inconclusive"
+    assert verdict("S3-9", fp8(e4 * 10, [k + 0.01 for k in e4] * 10)) == "partly"
+    assert verdict("S3-9", fp8([k + 0.01 for k in e4] * 10, e4 * 10)) == "supported"
 
 
 def test_other_measured_verdicts_follow_their_inputs():
     assert verdict("S0-8", Evidence("x", kv_value_share=0.992)) != verdict("S0-8", Evidence("x", kv_value_share=0.9))
-    warm = lambda r: {"reduction": r, "cold": {"target": 16384}, "warm": {"warmup": 4096}}  # noqa: E731
-    assert verdict("S0-15", Evidence("x", cold_warm=warm(0.2))) != verdict("S0-15", Evidence("x", cold_warm=warm(0.0)))
     assert verdict("S0-1", Evidence("x", niah=_niah(fp16=(1, 16, 0, -1)))) != verdict("S0-1", Evidence("x"))
+
+
+def test_warm_up_verdict_needs_repeated_runs_at_16k():
+    def cw(cold, warm, target=16384):
+        return row("S0-15", Evidence("x", cold_warm={"target": target, "warmup": 4096, "cold_s": cold, "warm_s": warm}))
+
+    cold = [10.0, 10.2, 9.9, 10.1, 10.0, 9.8]
+    assert cw(cold, [0.78 * c for c in cold])["verdict"] == "supported"
+    assert cw(cold, cold)["verdict"] == "refuted"
+    assert cw(cold, [0.4 * c for c in cold])["verdict"] == "refuted"
+    wide = cw([10.0, 13.0, 8.0], [8.0, 6.0, 10.4])  # the medians give the claimed 20%, three noisy runs do not
+    assert wide["verdict"].startswith("inconclusive (n=3 cold and 3 warm runs, reduction 0.20 [") and "bootstrap interval" in wide["measured"]
+    assert cw(cold, [0.78 * c for c in cold], target=8192)["verdict"] == "inconclusive (measured at 8192, the claim is about 16384)"
+    old = {"cold": {"ttft_s": 10.0, "target": 16384}, "warm": {"ttft_s": 7.8, "warmup": 4096}, "reduction": 0.22}
+    r = row("S0-15", Evidence("x", cold_warm=old))
+    assert r["verdict"] == "inconclusive (n=1 cold and 1 warm runs: no spread)" and "by 22%" in r["measured"]
+
+
+def test_verdict_words_are_the_documented_ones():
+    ev = Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0, -1), q4_0=(0.4, 4.5, 0, -1), turbo3=(0.8, 3.1, 0, -1)),
+                  sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": 0.7}, {"fp16": 0, "q8_0": 0}), kv_ppl=_kv_ppl(int8_token=1.0))
+    words = {v.split(" ")[0] for v in ledger(ev)["verdict"]}
+    assert words <= {"supported", "refuted", "partly", "inconclusive", "untestable"} and "inconclusive" in words
 
 
 def test_arithmetic_verdicts_follow_the_architecture_numbers(monkeypatch):
     before = {c: verdict(c, Evidence("x")) for c in ("S1-2", "S3-7", "S0-6")}
     monkeypatch.setattr(claims, "LLAMA2_70B", {**claims.LLAMA2_70B, "kv_heads": 64})
     monkeypatch.setattr(claims, "LLAMA3_8B", {**claims.LLAMA3_8B, "kv_heads": 32, "heads": 80})
-    monkeypatch.setattr(claims, "QWEN3_30B_A3B", {**claims.QWEN3_30B_A3B, "kv_heads": 40})
+    wide = qwen3_5_35b_a3b_config()
+    wide.num_key_value_heads = 100
+    monkeypatch.setattr(claims, "qwen3_5_35b_a3b_config", lambda: wide)
     after = {c: verdict(c, Evidence("x")) for c in before}
     assert all(before[c] != after[c] for c in before), (before, after)
+
+
+def test_qwen3_5_kv_bytes_count_only_its_attention_layers():
+    measured = row("S0-6", Evidence("x"))["measured"]
+    kv = 10 * 2 * 2 * 256 * 16384 * 2  # 10 full-attention layers x K and V x 2 KV heads x 256 x 16K tokens x 2 bytes
+    assert f"{kv / 1e9:.2f} GB" in measured and "only its 10 full-attention layers (2 KV heads x 256)" in measured
+    assert "its 30 Gated DeltaNet layers keep a fixed 33.4 MB state (bf16), which is not KV" in measured
+    assert not hasattr(claims, "QWEN3_30B_A3B")
 
 
 def test_a_broken_evaluator_is_reported_not_raised(monkeypatch):
