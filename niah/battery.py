@@ -210,3 +210,10 @@ def _ask_all(lm, states, methods: dict, ref: str, qs: list[Question], missing, r
                 "prefill_s": prefill_s, "quantize_s": quantize_s, "question_s": ans.question_s, "decode_s_per_token": ans.decode_s_per_token,
             })
     return rows
+
+
+def run_needles(cfg: dict, lm, out_path: Path | None = None, progress: bool = True) -> Path:
+    """Notebook 03's needle rows: the battery where the config has a ``battery:`` section, else the grid."""
+    from .grid import run_grid
+
+    return (run_battery if cfg["battery"] else run_grid)(cfg, lm, out_path, progress)

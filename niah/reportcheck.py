@@ -86,7 +86,7 @@ def check_report(report: Path, claim_ids: list[str], min_figures: int, browser: 
         missing = [c for c in claim_ids if not re.search(rf"\b{re.escape(c)}\b", ledgers[0])]
         if missing:
             problems.append(f"the ledger lacks claims {missing}")
-        if not re.search(r"\b(supported|refuted|partly|untestable)\b", ledgers[0]):
+        if not re.search(r"\b(supported|refuted|partly|inconclusive|untestable)\b", ledgers[0]):
             problems.append("the ledger has no verdicts")
     if problems:
         raise ReportCheckError(f"{report}: " + "; ".join(problems))
