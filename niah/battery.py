@@ -107,6 +107,8 @@ def build_context(tokenizer, hay: TokenHaystack, lengths: list[int], needles: in
                 stop = cursor + boundary - len(out)
         out += hay.ids[cursor:stop]
         cursor = stop
+        if len(out) + len(ids) > L:
+            raise ValueError(f"battery: {needles} needles per length do not fit in a {L}-token context with the longer lengths' needles; use fewer needles or longer lengths")
         question, answer_prefix = question_texts(Trial([(key, value)], [key], [value], kind))
         after = frame(tokenizer, style, intro, question, answer_prefix)[1]
         questions.append(Question(L, context, k, d, key, value, len(out), tuple(tokenizer.encode(after, add_special_tokens=False)),

