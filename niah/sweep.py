@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from . import env
 from .haystack import haystack_text, tokenize_haystack
 from .kv.cache import PackedCache, fused_decoding, warm_up
+from .kv.layout import CacheLayout
 from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial, needle_text
 from .prompts import build_cell
@@ -140,12 +141,14 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     cuda = cfg["device"] == "cuda"
     for m in methods.values():  # compile the fused kernels before anything is timed
         warm_up(m, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
+    layout = CacheLayout.from_config(lm.model.config)
+    layout.check_context(lengths[0], lm.name)
     cache, done_tokens, ttft = None, 0, 0.0
     bar = tqdm(total=sum(len(missing(L)) for L in lengths), desc=f"pressure sweep [{cfg['name']}]", unit="row", disable=not progress)
     for L in lengths:
         todo = missing(L)
         budget = s["memory_budget_gib"]
-        fp32_bytes = 2 * L * lm.model.config.num_hidden_layers * lm.model.config.num_key_value_heads * lm.head_dim * 4
+        fp32_bytes = 4 * sum(layout.kv_values(L).values())  # sliding layers keep only their window
         if budget is not None and fp32_bytes > budget * 2**30:
             for m in todo:
                 table.append({**base, "method": m, "length": L, "status": "oom", "reason": f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB"})

@@ -191,10 +191,9 @@ class PackedCache(Cache):
     the default ``"quantize"`` stores every attention layer with it.
     """
 
-    def __init__(self, method: KVMethod, layers: list, sliding: str = "quantize"):
+    def __init__(self, method: KVMethod, layers: list):
         super().__init__(layers=layers)
         self.method = method
-        self.sliding = sliding
 
     @classmethod
     def from_states(cls, states: list[LayerState], method: KVMethod, keep_dequantized: bool = True, fused_decode: bool = False, sliding: str = "quantize") -> "PackedCache":
@@ -211,7 +210,7 @@ class PackedCache(Cache):
             layer.update(st.keys, st.values)
             layer.seen = st.seen
             layers.append(layer)
-        return cls(method, layers, sliding)
+        return cls(method, layers)
 
     def dequantize_now(self) -> None:
         """Dequantize every stored chunk now (``keep_dequantized`` layers), so that clones share the result
