@@ -1,4 +1,4 @@
-"""Command line: ``python -m niah {run,reproduce,report,report-check,summary,bench,env}``; see ``python -m niah -h``."""
+"""Command line: ``python -m niah {run,reproduce,report,report-check,summary,repair,bench,env}``; see ``python -m niah -h``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="print the environment record")
     p = sub.add_parser("summary", help="print a run's results as Markdown tables (for the README)")
     p.add_argument("--config", default="cpu")
+    p = sub.add_parser("repair", help="keep the intact rows of a damaged results file and move the rest aside")
+    p.add_argument("path")
     p = sub.add_parser("bench", help="speed benchmarks, printed as ratios measured in one run")
     p.add_argument("what", choices=["kv"], help="kv: KV codecs, decode attention, transformers' QuantizedCache")
     p.add_argument("--methods", nargs="*", help="KV methods (default: every registered one)")
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from .kv.layout import UnsupportedLayout
     from .models import ModelUnavailable
     from .reportcheck import ReportCheckError
+    from .results import ResultsCorrupt, TableLocked
 
     try:
         if args.cmd == "run":
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = validate(raw, args.config)
             path = run_grid(cfg, load_model(cfg["model"], device=cfg["device"]))
             print(f"results: {path}")
+            _report_statuses(cfg)
         elif args.cmd == "reproduce":
             from .chain import reproduce
 
@@ -66,36 +70,56 @@ def main(argv: list[str] | None = None) -> int:
             _bench_kv(args)
         elif args.cmd == "summary":
             _summary(args.config)
+        elif args.cmd == "repair":
+            from .results import move_tail_aside
+
+            tail, kept, moved = move_tail_aside(args.path)
+            print(f"kept {kept} rows in {args.path}; moved {moved} lines from the damaged one onwards to {tail}")
         elif args.cmd == "env":
             from .env import environment_record
 
             print(json.dumps(environment_record(), indent=1))
-    except (ConfigError, ModelUnavailable, UnsupportedLayout, FileNotFoundError, ReportCheckError) as err:
+    except (ConfigError, ModelUnavailable, UnsupportedLayout, FileNotFoundError, ReportCheckError, ResultsCorrupt, TableLocked) as err:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def _summary(config: str) -> None:
-    from .analysis import accuracy_table, at_lengths, load_results
-    from .chain import run_dir
-    from .config import load_config
+def _report_statuses(cfg: dict) -> None:
+    """Say on the terminal how the needle rows of ``cfg`` ended; when none is ``ok``, why (with the first reason)."""
+    from .rundir import RunDir
 
-    cfg, out = load_config(config), run_dir(config)
-    niah = load_results(out / "niah_results.jsonl")
+    rows = RunDir(cfg).rows("needles")
+    counts = rows["status"].value_counts().to_dict() if len(rows) else {}
+    print("rows: " + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"))
+    if len(rows) and not counts.get("ok"):
+        print(f"niah: warning: no row was scored; every one is {' or '.join(counts)}: {rows['reason'].iloc[0]}", file=sys.stderr)
+
+
+def _summary(config: str) -> None:
+    from .analysis import accuracy_table, at_lengths
+    from .config import load_config
+    from .rundir import RunDir
+
+    cfg = load_config(config)
+    run = RunDir(cfg)
+    niah = run.rows("needles")
     if not len(niah):
-        raise FileNotFoundError(f"no results in {out}: run `make reproduce CONFIG={config}` first")
+        raise FileNotFoundError(f"no results in {run.path}: run `make reproduce CONFIG={config}` first")
     rows = niah[niah["status"] == "ok"]
+    if not len(rows):
+        counts = ", ".join(f"{n} {s}" for s, n in niah["status"].value_counts().items())
+        raise FileNotFoundError(f"no ok rows in {run.file('needles')} ({counts}); the first reason: {niah['reason'].iloc[0]}")
     print(f"Needle accuracy, config `{config}` ({rows['model'].iloc[0]}, commit {rows['git_commit'].iloc[0]}), "
           f"{cfg['niah']['needle']['kind']} needles, {cfg['niah']['prompt_styles']} prompts, 95% Wilson intervals:\n")
     print(accuracy_table(niah, cfg["niah"]["reference"]).to_markdown())
-    sweep = load_results(out / "sweep_results.jsonl")
+    sweep = run.rows("sweep")
     if len(sweep):
         print("\nPressure sweep at the marked lengths (ratios to the fp16 cache, same run):\n")
         print(at_lengths(sweep, ref=cfg["niah"]["reference"]).round(3).to_markdown(index=False))
-    for name in ("claims_ledger.md", "timing.json"):
-        if (out / name).exists():
-            print(f"\n{name}:\n" + (out / name).read_text())
+    for path in (run.ledger, run.timing):
+        if path.exists():
+            print(f"\n{path.name}:\n" + path.read_text())
 
 
 def _bench_kv(args) -> None:

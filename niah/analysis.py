@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 
-from .results import read_rows
 from .scoring import wilson_interval
-
-
-def load_results(path: str | Path) -> pd.DataFrame:
-    """The results table as a DataFrame (empty frame if the file does not exist)."""
-    return pd.DataFrame(read_rows(path))
 
 
 def summarize(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:

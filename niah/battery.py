@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import env
-from .grid import KEY, Cell, base_row, results_path, too_long_reason
+from .grid import Cell, base_row, too_long_reason
 from .haystack import TokenHaystack, haystack_text, tokenize_haystack
 from .kv.cache import PackedCache
 from .kv.layout import CacheLayout
@@ -35,6 +35,7 @@ from .needles import INTRO, KEY_WORDS, NOUN, VALUE_KINDS, Trial, needle_text, qu
 from .prompts import frame
 from .protocol import ask, compare_logits, context_states, kv_entries, prefill
 from .results import ResultsTable
+from .rundir import RunDir, open_table
 from .scoring import string_match_all
 
 BATTERY_DEFAULTS = {
@@ -124,8 +125,8 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     """Run every missing (question, method) row of the config's battery; return the results table's path."""
     s = battery_settings(cfg)
     n = cfg["niah"]
-    out_path = out_path or results_path(cfg)
-    table = ResultsTable(out_path, KEY)
+    out_path = out_path or RunDir(cfg).file("needles")
+    table = open_table(cfg, "needles", out_path)
     methods = {m: get_method(m) for m in s["methods"]}
     for m in methods.values():
         m.check_head_dim(lm.head_dim)

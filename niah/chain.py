@@ -18,7 +18,8 @@ def chain() -> list[Path]:
 
 
 def run_dir(config: str, run_root: Path | None = None) -> Path:
-    return (run_root or ROOT / "papermill_runs") / config
+    """The run folder of ``config`` (a name from ``configs/`` or a YAML path): ``papermill_runs/<its name:>``."""
+    return (run_root or ROOT / "papermill_runs") / load_config(config)["name"]
 
 
 def reproduce(config: str, only: list[str] | None = None, run_root: Path | None = None, figures_root: Path | None = None) -> dict:
@@ -30,10 +31,13 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     """
     import papermill
 
-    load_config(config)  # fail fast on a bad config, before any notebook starts
+    from .results import hold_lock
+
+    name = load_config(config)["name"]  # fails fast on a bad config, before any notebook starts
     out = run_dir(config, run_root)
+    hold_lock(out, f"run folder {out}")
     out.mkdir(parents=True, exist_ok=True)
-    params = {"config": config, "run_dir": str(out), "figures_dir": str((figures_root or ROOT / "figures") / config)}
+    params = {"config": config, "run_dir": str(out), "figures_dir": str((figures_root or ROOT / "figures") / name)}
     times = {}
     for nb in chain():
         if only and not any(nb.name.startswith(o) for o in only):

@@ -635,20 +635,17 @@ def claim_ids(seed_claims: Path) -> list[str]:
     return sorted(set(re.findall(r"^\| (S\d-\d+) \|", seed_claims.read_text(), re.M)), key=_id_key)
 
 
-def gather_evidence(cfg: dict, run_dir: Path, kv_value_share: float | None = None) -> Evidence:
-    """Read whatever this run measured from ``run_dir`` (missing tables stay empty)."""
+def gather_evidence(run, kv_value_share: float | None = None) -> Evidence:
+    """Read whatever this run measured from the :class:`~niah.rundir.RunDir` ``run`` (missing tables stay empty;
+    rows of other settings are left out)."""
     import json
 
-    from .analysis import load_results
     from .env import git_commit
 
-    cold = run_dir / "cold_warm.json"
+    cfg = run.cfg
     return Evidence(
         config=cfg["name"], device=cfg["device"], commit=git_commit(),
-        niah=load_results(run_dir / "niah_results.jsonl"),
-        sweep=load_results(run_dir / "sweep_results.jsonl"),
-        weightquant=load_results(run_dir / "weightquant_results.jsonl"),
-        kv_ppl=load_results(run_dir / "kv_perplexity.jsonl"),
-        cold_warm=json.loads(cold.read_text()) if cold.exists() else None,
+        niah=run.rows("needles"), sweep=run.rows("sweep"), weightquant=run.rows("weightquant"), kv_ppl=run.rows("kv_perplexity"),
+        cold_warm=json.loads(run.cold_warm.read_text()) if run.cold_warm.exists() else None,
         kv_value_share=kv_value_share,
     )

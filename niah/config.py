@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -33,6 +34,16 @@ DEFAULTS = {
     },
 }
 REQUIRED = ("name", "model")
+# the keys a ``model:`` spec may hold, by source (see niah.models), besides the ones every source takes
+MODEL_KEYS = {
+    "package": ("package", "file", "sha256"),
+    "assembled": ("package", "sha256"),
+    "local": ("path",),
+    "hub": ("id",),
+    "random": ("architecture", "config", "seed"),
+}
+MODEL_OPTIONAL = ("source", "rope_scaling", "dtype")
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class ConfigError(ValueError):
@@ -81,11 +92,18 @@ def validate(raw: dict, where: str = "config") -> dict:
     if missing:
         raise ConfigError(f"{where}: missing required setting(s) {', '.join(missing)}")
     cfg = _merge({**DEFAULTS, "name": None, "model": {}, "description": "", "sweep": {}, "weightquant": {}, "kv_perplexity": {}, "battery": {}, "weight_model": None}, raw, "", strict=True)
+    name = cfg["name"]
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(f"{where}: name must be one folder name of letters, digits, '.', '_' or '-' (it names "
+                          f"papermill_runs/<name>/); got {name!r}")
+    for section in ("model", "weight_model"):
+        if cfg[section] is not None or section == "model":
+            _check_model(cfg[section], f"{where}: {section}")
     n = cfg["niah"]
     if not n["lengths"] or any(not isinstance(x, int) or x <= 0 for x in n["lengths"]):
         raise ConfigError(f"{where}: niah.lengths must be positive integers (tokens); got {n['lengths']}")
-    if any(not 0.0 <= float(d) <= 1.0 for d in n["depths"]):
-        raise ConfigError(f"{where}: niah.depths must lie in [0, 1]; got {n['depths']}")
+    if any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0 for d in n["depths"]):
+        raise ConfigError(f"{where}: niah.depths must be numbers in [0, 1] (0 = start of the context, 1 = its end); got {n['depths']}")
     if not isinstance(n["trials"], int) or n["trials"] < 1:
         raise ConfigError(f"{where}: niah.trials must be a positive integer")
     bad = [s for s in n["prompt_styles"] if s not in STYLES]
@@ -102,8 +120,65 @@ def validate(raw: dict, where: str = "config") -> dict:
         raise ConfigError(f"{where}: {err}") from None
     if n["reference"] not in n["methods"]:
         n["methods"] = [n["reference"], *n["methods"]]
+    _check_haystack(cfg, where)
+    _check_sections(cfg, where)
     cfg["hash"] = config_hash(cfg)
     return cfg
+
+
+def _check_model(spec, where: str) -> None:
+    """A ``model:`` spec names a known source and only the keys that source reads."""
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{where} must be a mapping such as {{source: package, package: ..., file: ..., sha256: ...}}")
+    source = spec.get("source")
+    if source not in MODEL_KEYS:
+        raise ConfigError(f"{where}: unknown model source {source!r}; choose one of {', '.join(MODEL_KEYS)}")
+    valid = {*MODEL_KEYS[source], *MODEL_OPTIONAL}
+    unknown = sorted(set(spec) - valid)
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {unknown} for source {source}; valid: {', '.join(sorted(valid))}")
+    missing = [k for k in MODEL_KEYS[source] if source != "random" and not spec.get(k)]
+    if missing:
+        raise ConfigError(f"{where}: source {source} needs {', '.join(missing)}")
+    rope = spec.get("rope_scaling")
+    if rope is not None and not (isinstance(rope, dict) and "rope_type" in rope):
+        raise ConfigError(f"{where}: rope_scaling must be a mapping with rope_type, e.g. {{rope_type: yarn, factor: 2.0}}; got {rope!r}")
+
+
+def _check_haystack(cfg: dict, where: str) -> None:
+    """The haystack source exists and (for ``folder``) its files decode, before any run folder is made."""
+    from .haystack import SOURCES, folder_text
+
+    if cfg["haystack"] not in SOURCES:
+        raise ConfigError(f"{where}: unknown haystack {cfg['haystack']!r}; choose one of {', '.join(SOURCES)}")
+    if cfg["haystack"] == "folder":
+        folder = Path(cfg["haystack_folder"])
+        try:
+            folder_text(folder if folder.is_absolute() else ROOT / folder)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"{where}: {err}") from None
+
+
+def _check_sections(cfg: dict, where: str) -> None:
+    """Every section is read with its defaults once now, so a typo fails at load, not an hour into a run."""
+    from .battery import battery_settings
+    from .kv.registry import get_method
+    from .kvppl import kv_perplexity_settings
+    from .sweep import sweep_settings
+    from .weightquant.settings import settings as weightquant_settings
+
+    try:
+        for section, read in (("battery", battery_settings), ("sweep", sweep_settings), ("kv_perplexity", kv_perplexity_settings),
+                              ("weightquant", weightquant_settings)):
+            if not isinstance(cfg[section], dict):
+                raise ConfigError(f"{section} must be a mapping of settings; got {cfg[section]!r}")
+            methods = read(cfg).get("methods", [])
+            for m in methods or []:
+                get_method(m)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def config_hash(cfg: dict) -> str:

@@ -25,11 +25,8 @@ from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial
 from .prompts import CellPrompt, build_cell
 from .protocol import compare_logits, context_states, kv_entries, prefill, run_method
-from .results import ResultsTable
+from .rundir import RunDir, open_table
 from .scoring import string_match_all
-
-KEY = ("config", "model", "prompt_style", "length", "depth", "trial", "method")
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -42,10 +39,6 @@ class Cell:
 def cells(cfg: dict) -> list[Cell]:
     n = cfg["niah"]
     return [Cell(s, L, float(d), t) for s in n["prompt_styles"] for L in n["lengths"] for d in n["depths"] for t in range(n["trials"])]
-
-
-def results_path(cfg: dict, root: Path | None = None) -> Path:
-    return (root or env.ROOT / "papermill_runs" / cfg["name"]) / "niah_results.jsonl"
 
 
 def trial_rng(cfg: dict, cell: Cell) -> random.Random:
@@ -72,8 +65,8 @@ def too_long_reason(cfg, loaded, cell_tokens: int) -> str | None:
 
 def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = True) -> Path:
     """Run every missing (cell, method) row of ``cfg`` with the loaded model; return the table's path."""
-    out_path = out_path or results_path(cfg)
-    table = ResultsTable(out_path, KEY)
+    out_path = out_path or RunDir(cfg).file("needles")
+    table = open_table(cfg, "needles", out_path)
     n = cfg["niah"]
     methods = {m: get_method(m) for m in n["methods"]}
     for m in methods.values():

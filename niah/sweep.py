@@ -39,11 +39,10 @@ from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial, needle_text
 from .prompts import build_cell
 from .protocol import ask, compare_logits, context_states, kv_entries, prefill
-from .results import ResultsTable
+from .rundir import open_table
 from .scoring import string_match_all
 from .telemetry import MemorySampler
 
-KEY = ("config", "model", "method", "length")
 SWEEP_DEFAULTS = {
     "lengths": [1, 256, 512, 1024, 2048],
     "methods": ["fp16"],
@@ -121,7 +120,7 @@ def _percentile(xs: list[float], q: float) -> float:
 def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     """Run every missing (method, length) row of the config's sweep; return the table's path."""
     s = sweep_settings(cfg)
-    table = ResultsTable(out_path, KEY)
+    table = open_table(cfg, "sweep", out_path)
     methods = {m: get_method(m) for m in s["methods"]}
     ref = cfg["niah"]["reference"]
     base = {"config": cfg["name"], "config_hash": cfg["hash"], "model": lm.name, "seed": cfg["seed"], "git_commit": env.git_commit(), "versions": env.versions()}
@@ -249,7 +248,7 @@ def first_request_ttft(cfg: dict, target: int, warmup: int = 0) -> dict:
     return out
 
 
-def cold_vs_warm(config: str, target: int, warmup: int, repeats: int = 1) -> dict:
+def cold_vs_warm(cfg: dict, target: int, warmup: int, repeats: int = 1) -> dict:
     """TTFT of the first ``target``-token request in a fresh process, without and with a ``warmup``-token request
     first, ``repeats`` times each (cold and warm alternate, so a slow spell of the machine hits both).
 
@@ -261,8 +260,8 @@ def cold_vs_warm(config: str, target: int, warmup: int, repeats: int = 1) -> dic
     runs = {"target": target, "warmup": warmup, "cold_s": [], "warm_s": []}
     for _ in range(repeats):
         for label, w in (("cold", 0), ("warm", warmup)):
-            code = f"import json; from niah.config import load_config; from niah.sweep import first_request_ttft; print(json.dumps(first_request_ttft(load_config({config!r}), {target}, {w})))"
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=env.ROOT)
+            code = f"import json, sys; from niah.sweep import first_request_ttft; print(json.dumps(first_request_ttft(json.load(sys.stdin), {target}, {w})))"
+            proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), capture_output=True, text=True, cwd=env.ROOT)
             if proc.returncode:
                 raise RuntimeError(f"the {label} TTFT probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
             runs[f"{label}_s"].append(json.loads(proc.stdout.strip().splitlines()[-1])["ttft_s"])

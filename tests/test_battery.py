@@ -2,13 +2,18 @@
 
 import random
 
+import pandas as pd
 import pytest
 
-from niah.analysis import load_results
 from niah.battery import battery_settings, build_context, run_battery
 from niah.haystack import haystack_text, tokenize_haystack
 from niah.kv.layout import UnsupportedLayout
+from niah.results import read_rows
 from niah.stats import paired_table
+
+
+def _frame(path):
+    return pd.DataFrame(read_rows(path))
 
 
 def test_a_nested_context_holds_every_lengths_needles_inside_its_prefix(tiny):
@@ -40,10 +45,10 @@ def test_every_question_gets_a_row_per_method_and_a_killed_run_resumes(tmp_path,
     kill = killed_after(7)
     with pytest.raises(KeyboardInterrupt):
         run_battery(cfg, tiny, path, progress=False)
-    assert len(load_results(path)) == 7
+    assert len(_frame(path)) == 7
     kill.revive()
     run_battery(cfg, tiny, path, progress=False)
-    df = load_results(path)
+    df = _frame(path)
     assert len(df) == 2 * 2 * 2 * 3 and (df["status"] == "ok").all()
     assert not df.duplicated(["length", "depth", "trial", "method"]).any()
     assert (df[df["method"] == "fp16"]["kl_vs_ref"] == 0).all() and (df[df["method"] == "turbo3"]["kl_vs_ref"] > 0).all()
@@ -54,16 +59,16 @@ def test_every_question_gets_a_row_per_method_and_a_killed_run_resumes(tmp_path,
 
 def test_separate_contexts_hold_only_their_own_lengths_needles(tmp_path, smoke_with, tiny):
     cfg = _battery_cfg(smoke_with, nested=False, methods=["fp16"])
-    df = load_results(run_battery(cfg, tiny, tmp_path / "b.jsonl", progress=False))
+    df = _frame(run_battery(cfg, tiny, tmp_path / "b.jsonl", progress=False))
     assert len(df) == 2 * 2 * 2
     assert (df.groupby(["length", "context"]).size() == 2).all()
-    nested = load_results(run_battery(_battery_cfg(smoke_with, methods=["fp16"]), tiny, tmp_path / "n.jsonl", progress=False))
+    nested = _frame(run_battery(_battery_cfg(smoke_with, methods=["fp16"]), tiny, tmp_path / "n.jsonl", progress=False))
     assert set(df["needle_key"]) != set(nested["needle_key"])  # other contexts, other keys
 
 
 def test_a_hybrid_model_runs_the_battery_and_reports_bytes_per_layer_type(tmp_path, smoke_with, hybrid):
     cfg = _battery_cfg(smoke_with, methods=["fp16", "q4_0"])
-    df = load_results(run_battery(cfg, hybrid, tmp_path / "h.jsonl", progress=False))
+    df = _frame(run_battery(cfg, hybrid, tmp_path / "h.jsonl", progress=False))
     assert (df["status"] == "ok").all() and len(df) == 16
     sliding = df["kv_bytes_sliding_attention"]
     if hybrid.model.config.model_type == "gemma3_text":

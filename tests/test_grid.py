@@ -1,7 +1,8 @@
 import pytest
 
 from niah.config import validate
-from niah.grid import KEY, cells, run_grid
+from niah.grid import cells, run_grid
+from niah.rundir import NEEDLE_KEY as KEY
 from niah.results import read_rows
 
 

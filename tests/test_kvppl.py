@@ -6,7 +6,10 @@ import pandas as pd
 import pytest
 
 from niah.config import ConfigError
-from niah.kvppl import KEY, perplexity_table, run_kv_perplexity
+from niah.kvppl import perplexity_table, run_kv_perplexity
+from niah.rundir import TABLES
+
+KEY = TABLES["kv_perplexity"].key
 from niah.results import read_rows
 
 

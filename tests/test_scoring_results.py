@@ -34,10 +34,3 @@ def test_table_skips_duplicates_and_survives_a_torn_last_line(tmp_path):
     t2.append({"a": 2, "v": "y"})
     assert [r["a"] for r in read_rows(path)] == [1, 2]
     assert all(json.loads(line) for line in path.read_text().splitlines())
-
-
-def test_a_corrupt_middle_line_is_an_error(tmp_path):
-    path = tmp_path / "r.jsonl"
-    path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
-    with pytest.raises(ValueError, match="corrupt at line 2"):
-        read_rows(path)

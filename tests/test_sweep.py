@@ -4,7 +4,10 @@ import pytest
 
 from niah.fits import polyfit
 from niah.results import read_rows
-from niah.sweep import KEY, run_sweep
+from niah.rundir import TABLES
+from niah.sweep import run_sweep
+
+KEY = TABLES["sweep"].key
 
 
 def test_sweep_rows_bytes_timings_and_traces(smoke_with, tiny, tmp_path):

@@ -25,11 +25,10 @@ from ..kv.registry import get_method
 from ..needles import NeedleSpec, make_trial
 from ..prompts import build_cell
 from ..protocol import compare_logits, context_states, kv_entries, prefill, run_method
-from ..results import ResultsTable
+from ..rundir import open_table
 from ..scoring import string_match_all
 from .schemes import FP32, QuantizedModel
 
-KEY = ("config", "model", "weights", "prompt_style", "length", "depth", "trial", "method")
 REF_METHOD = "fp16"
 
 
@@ -58,7 +57,7 @@ class NeedleBench:
         spec = NeedleSpec(**n["needle"])
         self.cells = cells(self.cfg)
         self.prompts = {c: build_cell(lm.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(self.cfg, c)), c.style) for c in self.cells}
-        self.table = ResultsTable(out_path, KEY)
+        self.table = open_table(cfg, "weightquant_needles", out_path)
         self._ref: dict = {}
 
     def _row(self, qm: QuantizedModel, cell, method: str) -> dict:

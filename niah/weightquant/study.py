@@ -43,7 +43,7 @@ from .. import env
 from ..analysis import summarize
 from ..config import weight_model
 from ..models import cache_dir
-from ..results import ResultsTable
+from ..rundir import RunDir
 from . import autoround
 from .awq import foldable, search_scale
 from .cache import cached
@@ -56,16 +56,13 @@ from .schemes import QuantizedModel, Scheme, rtn_layers, with_kept_channels, zer
 from .settings import settings
 from .tables import OFFER
 
-KEY = ("config", "model", "scheme")
-
-
 class Study:
     """Everything a notebook needs, made when first used and kept: calibration and evaluation windows,
     activation statistics, AutoRound weights and AWQ scales (cached on disk), the needle bench."""
 
     def __init__(self, cfg: dict, lm, run_dir: Path):
         self.cfg, self.lm, self.run_dir, self.s = cfg, lm, Path(run_dir), settings(cfg)
-        self.table = ResultsTable(self.run_dir / "weightquant_results.jsonl", KEY)
+        self.table = RunDir(cfg, self.run_dir).table("weightquant")
         torch.manual_seed(cfg["seed"])
 
     @cached_property
@@ -85,7 +82,7 @@ class Study:
     @cached_property
     def needle(self) -> NeedleBench:
         folder = heldout_haystack(self.run_dir / "heldout_haystack", self.s["calibration_share"])
-        return NeedleBench(self.cfg, self.lm, self.s["needle"], folder, self.run_dir / "weightquant_niah.jsonl")
+        return NeedleBench(self.cfg, self.lm, self.s["needle"], folder, RunDir(self.cfg, self.run_dir).file("weightquant_needles"))
 
     @cached_property
     def kv_methods(self) -> list[str]:

