@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from .config import ROOT
 from .kv.layout import FULL, LINEAR, CacheLayout, qwen3_5_35b_a3b_config
 from .scoring import wilson_interval
 from .stats import ALPHA, BOOTSTRAP, PAIR_KEY, interval_verdict, paired_bootstrap, paired_table
@@ -36,9 +37,6 @@ from .stats import ALPHA, BOOTSTRAP, PAIR_KEY, interval_verdict, paired_bootstra
 LLAMA2_70B = {"layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128}
 # meta-llama/Meta-Llama-3-8B config.json: num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 8, hidden 4096
 LLAMA3_8B = {"layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
-
-SEEDS = {"S0": "000_cda357c30780f108.txt", "S1": "001_2c02eb31decfa669.txt", "S3": "003_fab91ec41442e6e4.txt"}
-
 
 def dense_layout(arch: dict, kv_heads: int | None = None) -> CacheLayout:
     """The cache layout of a model whose every layer is full attention (the Llama configs above)."""
@@ -130,15 +128,12 @@ def _drop_text(method: str, d: dict) -> str:
 @dataclass
 class Claim:
     id: str
+    seed: str  # the article's file name
     section: str
     claim: str
     test: str
     threshold: str
     evaluate: Callable[[Evidence], tuple[str, str]]
-
-    @property
-    def seed(self) -> str:
-        return SEEDS[self.id.split("-")[0]]
 
 
 # ---- evaluators: each returns (measured, verdict) -------------------------------------------------
@@ -574,41 +569,28 @@ def s3_12(ev):
     return f"{within} of {len(q)} quantized configurations within +1.5 perplexity; worst {worst['scheme']} +{worst['ppl_delta']:.1f}", "supported" if within == len(q) else "refuted"
 
 
-CLAIMS: list[Claim] = [
-    Claim("S0-1", "1", '"NIAH" is a "non-intrusive attention head" technique', "it is needle-in-a-haystack retrieval, which the grid measures", "refuted when the needle grid ran", s0_1),
-    Claim("S0-2", "1", "q8_0 uses one scale per tensor, zero point 0", "count scales of our q8_0 (bit-exact with gguf.quants in the tests)", "refuted if more than one scale per tensor", s0_2),
-    Claim("S0-3", "1", "a q8_0 KV cache uses 17% less memory than q4_K_M", "measured q8_0 bits/value vs ggml's Q4_K block size", "supported if q8_0 is 12-22% smaller", s0_3),
-    Claim("S0-4", "1", "a (16384,128) fp16 head cache takes 6.8 MB, not 4 MB, from 4 KB page alignment", "page arithmetic; measured KV bytes 16K/4K", "refuted if the tensor fills whole pages", s0_4),
-    Claim("S0-5", "1", "quantizing only the newest row cuts KV memory from O(L^2) to O(L)", "linear fit of measured KV bytes on length per method", "refuted if every method, fp16 included, is linear (R^2 > 0.999)", s0_5),
-    Claim("S0-6", "1", "at 16K on an A100-80G peak memory falls from 72.3 GB to 58.1 GB", "KV bytes of Qwen3.5-35B-A3B's full-attention layers at 16K (its linear-attention state apart); GPU peak memory on a GPU config", "refuted if the whole KV cache is smaller than the claimed saving", s0_6),
-    Claim("S0-7", "2", "a q4 KV cache collapses retrieval and corrupts numbers while q8_0 keeps them", "accuracy and answer log-prob of fp16, q8_0, q4_0 on the same questions", "per part, on the 95% interval of the paired accuracy drop: q8_0 keeps it if the drop is below 0.05, q4_0 collapses it if above 0.3 (a drop also needs McNemar p < 0.05); partly if the parts disagree, inconclusive if an interval straddles", s0_7),
-    Claim("S0-8", "2", "99.2% of KV values lie within [-6, 6]", "share of real K and V values in [-6, 6]", "supported within 1 point of 99.2%", s0_8),
-    Claim("S0-9", "3", "stepping the context from 1 to 16384 and recording memory, bandwidth, TTFT, TPOT is the right protocol", "the pressure sweep implements it", "partly: bandwidth is not recorded", s0_9),
-    Claim("S0-10", "4", "memory breathes with a 237 ms period, amplitude 0.3/0.7/1.2 GB at 4K/8K/16K", "autocorrelation period and amplitude of sampled memory traces", "supported if the 95% Wilson interval of the share of traces with a period within 50 ms of 237 ms lies above 1/2, refuted if below", s0_10),
-    Claim("S0-11", "4", "marginal memory 4K->8K and 8K->16K grows much less with the method (an exponential advantage)", "ratio of marginal KV bytes per method", "refuted if every method's ratio is 2 (linear growth)", s0_11),
-    Claim("S0-12", "4", "TTFT is the same for all KV methods (about 1.2/2.8/6.5 s at 4K/8K/16K)", "TTFT spread across methods per length", "max/min <= 1.1 at every length >= 4K would support it; inconclusive while each TTFT is measured once", s0_12),
-    Claim("S0-13", "4", "TPOT drops about 20% with the method at late positions", "q8_0 / fp16 TPOT at the longest step, paired round by round, against this repo's fp16 cache", "supported if the interval over rounds lies below 0.85, refuted if above; inconclusive without one", s0_13),
-    Claim("S0-14", "4", "the first 10 answer tokens of q8_0 differ from fp16 by KL < 0.05", "mean KL and top-1 agreement vs the fp16 cache", "supported if the 95% bootstrap interval of the mean KL lies below 0.05, refuted if above", s0_14),
-    Claim("S0-15", "5", "a 4K warm-up request cuts the first 16K TTFT by 22%", "first-request TTFT in fresh processes, with and without warm-up, at 16K", "supported if the 95% bootstrap interval lies within 22% +- 10 points, refuted if wholly outside", s0_15),
-    Claim("S1-1", "1", "TurboQuant cuts KV memory 8x at 3 bits with no loss", "measured bytes of turbo3 vs fp16", "refuted below 8x", s1_1),
-    Claim("S1-2", "1", "KV bytes/token = 2 L d h bytes; Llama-2-70B: 327,680 B/token, 10.5 GB at 32K", "arithmetic from the model config", "supported if both numbers match within 2%", s1_2),
-    Claim("S1-3", "2", "naive 8-bit KV quantization costs > 1% perplexity", "perplexity through an int8 cache with one scale per vector (int8_token) against fp16, paired over held-out windows", "supported if the 95% interval lies above +1%, refuted if below, else inconclusive", s1_3),
-    Claim("S1-4", "2", "TurboQuant is a sliding-window asymmetric min/max quantizer with attention-weighted compensation", "implement the paper's algorithm and the seed's, compare", "refuted when both are implemented and differ", s1_4),
-    Claim("S1-5", "3", "3-bit TurboQuant loses no perplexity and gains 1.2% on code completion", "needle accuracy of turbo3 and its perplexity against fp16, paired", "refuted if the accuracy drop's 95% interval lies above 0.1 (McNemar p < 0.05) or the perplexity interval above +1%; else inconclusive (code completion not measured)", s1_5),
-    Claim("S1-6", "3", "a 4-bit float packing with 1 sign, 2 exponent, 1 mantissa bit", "implemented as fp4_e2m1, measured", "supported when it runs", s1_6),
-    Claim("S3-1", "2", "W8A8: symmetric per-channel costs +1.2 perplexity, asymmetric per-token +0.7", "perplexity deltas of both on our model", "supported within 0.3 of both; partly if asymmetric is better", s3_1),
-    Claim("S3-2", "3", "W4A8 g128 with 1% int8 outliers: +2.1 perplexity; without them it explodes (15.3)", "AutoRound int4 + int8 activations, with and without 1% int8 channels", "supported if with <= 3.15 and without >= 10; partly if the channels help", s3_2),
-    Claim("S3-3", "3", "W4A4 repeats after 128 tokens and is garbage after 256", "300 greedy tokens: repeated 4-gram share per segment, and perplexity", "supported if both garbage (perplexity +100) and more repetition than fp32", s3_3),
-    Claim("S3-4", "3", "AWQ gives a 30% channel mask: +1.4 perplexity without fine-tuning, vs +5.6 for 30% magnitude pruning", "zero 30% channels by activation salience vs 30% magnitude pruning", "supported within 0.7 of +1.4 and below magnitude pruning", s3_4),
-    Claim("S3-5", "3", "keeping 1% salient channels in high precision rescues low-bit weights", "RTN W3/W4 with 1% fp16 channels by activation, weight, random", "supported if activation-chosen cuts the increase by 40% and beats the others", s3_5),
-    Claim("S3-6", "4", "FlashAttention-3 is 3% slower below 128 tokens and pays off above 512", "attention backend timing on a GPU", "needs a Hopper GPU", s3_6),
-    Claim("S3-7", "5", "Llama-3-8B KV at 2048 tokens takes 2.7 GB", "arithmetic with and without GQA", "refuted if neither is within 10%", s3_7),
-    Claim("S3-8", "5", "per-head group quantization shrinks KV 2.7 GB -> 112 MB (99.6%) with unchanged perplexity", "compression ceiling and best measured ratio", "refuted above the 16x ceiling", s3_8),
-    Claim("S3-9", "5", 'vLLM fp8 KV is "5-bit exponent + 2-bit mantissa"', "implement e4m3 and e5m2, compare their KL on the same questions", "partly if e4m3 (vLLM's default) has the lower KL (95% paired interval), supported if e5m2 has", s3_9),
-    Claim("S3-10", "2", "AutoRound does W4A8 with --act_bits 8", "what the installed auto-round accepts and exports", "supported only with a real W4A8 export", s3_10),
-    Claim("S3-11", "3", "weight kurtosis > 4.5 predicts W4A8 failure", "kurtosis and W4A8 perplexity increase per model", "needs 3 or more models on both sides of 4.5", s3_11),
-    Claim("S3-12", "6", "every quantized configuration stays within +1.5 perplexity", "the perplexity table", "refuted if any configuration exceeds +1.5", s3_12),
-]
+CLAIMS_FILE = ROOT / "claims" / "claims.yaml"
+
+
+def load_claims(path: Path = CLAIMS_FILE) -> list[Claim]:
+    """The claims of ``claims/claims.yaml``, each bound to its evaluator (``s0_7`` for ``S0-7``)."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    evaluators = {name: f for name, f in globals().items() if re.fullmatch(r"s\d_\d+", name)}
+    claims = []
+    for c in doc["claims"]:
+        name = c["id"].lower().replace("-", "_")
+        if name not in evaluators:
+            raise ValueError(f"{path}: claim {c['id']} has no evaluator {name}() in niah/claims.py")
+        article = doc["articles"][c["id"].split("-")[0]]["file"]
+        claims.append(Claim(c["id"], article, str(c["section"]), c["claim"], c["test"], c["threshold"], evaluators.pop(name)))
+    if evaluators:
+        raise ValueError(f"{path} lacks the claims of evaluators {sorted(evaluators)}")
+    return claims
+
+
+CLAIMS = load_claims()
 
 
 def ledger(ev: Evidence, extra: list[Claim] = ()) -> pd.DataFrame:
@@ -628,11 +610,6 @@ def ledger(ev: Evidence, extra: list[Claim] = ()) -> pd.DataFrame:
 def _id_key(cid: str) -> tuple:
     seed, num = re.fullmatch(r"S(\d)-(\d+)", cid).groups()
     return int(seed), int(num)
-
-
-def claim_ids(seed_claims: Path) -> list[str]:
-    """Every claim ID in the steering repo's seed-claims.md."""
-    return sorted(set(re.findall(r"^\| (S\d-\d+) \|", seed_claims.read_text(), re.M)), key=_id_key)
 
 
 def gather_evidence(run, kv_value_share: float | None = None) -> Evidence:
