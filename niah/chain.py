@@ -49,6 +49,13 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     times["total"] = round(sum(times.values()), 1)
     # a partial rerun must not overwrite the whole chain's wall times
     (out / ("timing_partial.json" if only else "timing.json")).write_text(json.dumps(times, indent=1))
+    if not only:
+        from .summary import NoResults, summary_markdown
+
+        try:
+            (out / "summary.md").write_text(summary_markdown(load_config(config), out), encoding="utf-8")
+        except NoResults as err:
+            print(f"[reproduce {config}] no summary.md: {err}", flush=True)
     print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)
     return times
 

@@ -7,7 +7,9 @@ import nbformat
 import pytest
 
 from niah.chain import chain, check, report, reproduce
+from niah.config import load_config
 from niah.reportcheck import ReportCheckError, find_browser
+from niah.summary import BEGIN, END, write_results
 
 
 def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
@@ -21,6 +23,13 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
     assert json.loads((runs / "environment.json").read_text())["python"]
     assert (runs / "niah_results.jsonl").stat().st_size > 0
     assert list((tmp_path / "figs" / "smoke").glob("heatmap_*.png"))
+    summary = (runs / "summary.md").read_text()
+    assert "Needle accuracy" in summary and "McNemar" in summary and "Claims ledger**: " in summary and "supported" in summary
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold numbers\n{END}\nlayout\n")
+    write_results(load_config("smoke"), readme, tmp_path / "results", runs)
+    assert readme.read_text() == f"intro\n{BEGIN}\n{summary}{END}\nlayout\n"
+    assert (tmp_path / "results" / "smoke" / "summary.md").read_text() == summary
     html = report("smoke", run_root=tmp_path / "runs").read_text()
     assert html.count("data:image/png;base64") >= 5  # figures embedded: the file can be mailed alone
     assert "S3-8" in html and "refuted" in html  # the claims ledger is in it

@@ -15,7 +15,7 @@ scores:
   or the weights.
 
 The numbers are the same as attending over the dequantized cache up to float32 summation order (the tests check
-it).  Measured on one thread of a 2-core Xeon (AVX-512), ``niah bench kv``: see README, "Speed".
+it).  ``python -m niah bench kv`` measures their speed against a plain copy on the machine at hand.
 
 Compiled loops (:func:`fused`, :func:`fused_or_eager`) run the encoders of q8_0 and fp8: one pass instead of
 several over fresh full-size tensors.  Where ``torch.compile`` cannot run (no C++ compiler), the same functions
@@ -38,9 +38,8 @@ def _compiled(fn):
     """``fn`` compiled with automatic dynamic shapes: a dim that changes between calls (the token count) becomes
     a symbol after the first recompile, the rest (head_dim, block and group sizes) stay constants and give
     vectorized loops.  Python ints (bit widths) are always constants: as symbols, under ``dynamic=True``, they
-    made the 3-bit unpacking loop 7x slower here (27 ms against 3.8 ms for 16K tokens x 3 heads).  Each bit
-    width, fp8 format and head size is one more specialization, hence a recompile limit above dynamo's 8 (past
-    it, a function silently runs eagerly)."""
+    made the 3-bit unpacking loop much slower.  Each bit width, fp8 format and head size is one more
+    specialization, hence a recompile limit above dynamo's 8 (past it, a function silently runs eagerly)."""
     return torch._dynamo.config.patch(specialize_int=True, recompile_limit=64)(torch.compile(fn))
 
 

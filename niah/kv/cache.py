@@ -10,8 +10,8 @@ first is stored by ``quantize_after(tokens, previous chunk)``: a per-head parame
 formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter) or
 shorter than :data:`MERGE_BELOW` tokens.  ``n`` decode steps leave ``O(log n)`` chunks, each token is copied
 ``O(log n)`` times plus at most :data:`MERGE_BELOW` tokens' codes per step, and a step after a long prefill reads
-two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed ~0.05-0.1 ms of Python
-per read (one-off timings here), more than copying a few hundred tokens' codes.
+two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed Python overhead per
+read, more than copying a few hundred tokens' codes.
 
 A sliding-window layer (``window`` set) keeps only what transformers' sliding layers keep, the last
 ``window - 1`` tokens: it is read back that far, and a chunk is dropped once every one of its tokens is older

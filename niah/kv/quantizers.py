@@ -43,8 +43,8 @@ BLOCK = 32  # values per scale along head_dim (llama.cpp QK8_0 = QK4_0 = 32; KIV
 # Speed notes (CPU, one thread): reads on the CPU go through each format's numba ``decode_row``
 # (:mod:`niah.kv.rowkernels`); the torch paths below serve other devices.  In them, fresh full-size tensors cost
 # page faults, so each method allocates one float32 working tensor and updates it in place; float -> uint8
-# casts are ~8x slower than float -> int8, so small codes go through int8; e4m3 -> float32 casts are slow, so
-# its bits are moved by hand (_fp8_float).
+# casts are much slower than float -> int8, so small codes go through int8; e4m3 -> float32 casts are slow, so
+# its bits are moved by hand (_fp8_float).  Measure with ``python -m niah bench kv``.
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -152,8 +152,8 @@ class Q8_0(_HeadBlocks):
 @njit(**rowkernels.DECODER)
 def _q8_0_block_pairs(stored, r, out):
     """:meth:`Q8_0.decode_row` for an even number of blocks per row: one loop of 64 lanes per two blocks, each
-    lane picking its block's scale, which LLVM vectorizes (a 32-value loop per block it unrolls into scalars).
-    One-off timing here, scores over 16K x 3 rows of d = 64: 2.6 ms against 1.0 for this."""
+    lane picking its block's scale, which LLVM vectorizes (a 32-value loop per block it unrolls into scalars,
+    and that made the scores slower)."""
     codes, scales = stored
     for pair in range(scales.shape[1] // 2):
         d0, d1 = scales[r, 2 * pair], scales[r, 2 * pair + 1]
@@ -223,8 +223,8 @@ class Q4_0(_HeadBlocks):
 def _q4_0_encode_rows(x, codes, scales):
     """q4_0 on the CPU in one pass: ``x: float32 (R, D)`` -> ``codes: uint8 (R, D/2)``, ``scales: float32
     (R, D/32)``, the numbers of the torch path of :meth:`Q4_0.quantize`.  Blocks go two at a time: one loop of
-    64 lanes, each with its block's ``1/d``, computes the codes, which LLVM vectorizes (1.8x faster than a
-    16-lane loop per block in a one-off timing); an odd last block goes alone."""
+    64 lanes, each with its block's ``1/d``, computes the codes, which LLVM vectorizes (a 16-lane loop per block
+    was slower); an odd last block goes alone."""
     c = np.empty(2 * BLOCK, np.int32)
     blocks = scales.shape[1]
     for r in range(x.shape[0]):
@@ -294,7 +294,7 @@ def _e2m1_encode_rows(x, scales, codes):
     magnitude code is the number of rounding boundaries (in quarters, :func:`_e2m1_code_table`) below ``j``,
     with the sign bit where ``x < 0`` and ``j > 0``: no table load, so the 32 lanes of a block vectorize."""
     c = np.empty(BLOCK, np.int32)
-    b0, b1, b2, b3, b4, b5, b6 = _E2M1_BOUNDARIES4  # spelled out below: a loop over them ran 1.5x slower
+    b0, b1, b2, b3, b4, b5, b6 = _E2M1_BOUNDARIES4  # spelled out below: a loop over them was slower
     for r in range(x.shape[0]):
         for blk in range(scales.shape[1]):
             s = scales[r, blk]
@@ -429,8 +429,8 @@ def _fp8_row(e5m2: bool):
     exponent bias moved (7 or 15 to 127) by an integer add; a subnormal one (exponent 0) is ``m * 2**-9`` (e4m3) or
     ``m * 2**-16`` (e5m2); e5m2's top exponent is float32's (inf and NaN, as torch's cast; e4m3fn's NaN pattern
     0x7F decodes to 480, as :func:`_fp8_float` does: the encoder saturates and never writes it).  Selects instead
-    of a 256-entry table: a table load per value took 1.30-1.35x as long (paired one-off timing here, scores over
-    16K x 3 x 64, same bits).  Lanes of 32 values with a compile-time count, then the tail."""
+    of a 256-entry table: a table load per value made the scores slower, for the same bits.  Lanes of 32 values
+    with a compile-time count, then the tail."""
     mant, bias, sub = (2, 15, np.float32(2.0**-16)) if e5m2 else (3, 7, np.float32(2.0**-9))
     rebias = np.uint32((127 - bias) << 23)
 
@@ -499,8 +499,8 @@ def _minmax_row(bits: int, run: int, channel_size: int):
     group, along dim -2; ``channel_size = 1``: a scale per channel) or channel group (``channel_size == run``
     channels, along dim -1: a scale per plane run).  Each lane shifts its code out of the run's planes and scales
     it at once.  ``bits``, the plane run and ``channel_size`` are compile-time constants, so the 32-lane loop
-    vectorizes (a separate loop of 32 per channel group was unrolled into scalar code: one-off timing here, KIVI-4
-    values' scores over 16K x 3 x 64 took 2.9 ms that way)."""
+    vectorizes (a separate loop of 32 per channel group was unrolled into scalar code, which made KIVI-4 values'
+    scores slower)."""
     if channel_size not in (1, run):
         raise ValueError(f"min/max row decoder: channel groups must be 1 or one plane run ({run}); got {channel_size}")
 

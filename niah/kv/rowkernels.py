@@ -11,10 +11,10 @@ time) and use them at once:
 * ``weighted_sum(stored, w, out)``: ``w: (BH, G, T)`` -> ``out: (BH, G, D)``, ``sum_t w_t v_t``;
 * ``dequantize(stored, out)``: ``out: (R, D)``, every row.
 
-Why numba and not ``torch.compile``: inductor's CPU code for these small gathers and bit fields wrote at 1-2 GB/s
-here in one-off timings (bounds checks, int64 index vectors, masked tails of 16-wide vectors over 8-code groups), while these plain
-loops, which LLVM vectorizes, decode at several times that and let one decode step read the codes instead of a
-full-precision copy.  They compile at first use in a process: 0.2-0.7 s per (decoder, kernel) pair here.
+Why numba and not ``torch.compile``: inductor's CPU code for these small gathers and bit fields was slow (bounds
+checks, int64 index vectors, masked tails of 16-wide vectors over 8-code groups), while these plain loops, which
+LLVM vectorizes, decode much faster and let one decode step read the codes instead of a full-precision copy.
+They compile at first use in a process, once per (decoder, kernel) pair.
 
 Writing decoders that vectorize: numba runs LLVM without its SLP vectorizer (``numba.config.SLP_VECTORIZE``), so
 a loop of a small constant count (8, 16, 32 values of one block) is unrolled into scalar code, and a loop whose
@@ -57,9 +57,9 @@ def kernels(decode_row) -> RowKernels:
 
     ``scores`` and ``weighted_sum`` decode four rows at a time and use each query element, or each
     accumulator of the sum, for all of them at once: a weighted sum loads and stores its ``G x D`` accumulators
-    once per 4 rows instead of once per row.  Paired one-off timings here (16K x 3 x 64, 3 query heads per KV
-    head), 4 rows against 1: weighted sum 0.71-0.93x, scores 0.78-1.01x across q8_0, q4_0, fp8, KIVI and
-    TurboQuant; 8 rows gave no more."""
+    once per 4 rows instead of once per row.  Against one row at a time, 4 rows made the weighted sum faster and
+    the scores faster or no slower, across q8_0, q4_0, fp8, KIVI and TurboQuant; 8 rows gave no more (measure
+    with ``python -m niah bench kv``)."""
 
     @njit(**_JIT)
     def scores(stored, q, out):
@@ -143,7 +143,7 @@ def lane_bits(w0, w1, w2, w3, lane):
 def set_lane_bits(w0, w1, w2, w3, b0, b1, b2, b3, lane):
     """The inverse of :func:`lane_bits`: the words with bit ``lane`` set to ``b0 .. b3`` (each 0 or 1, clear in
     the words before).  Every result is cast back to uint32: numba widens integer arithmetic to 64 bits, which
-    made LLVM vectorize the encoders' lanes 4 at a time instead of 8 (1.2-1.7x slower in one-off timings)."""
+    made LLVM vectorize the encoders' lanes 4 at a time instead of 8, slowing them."""
     j = np.uint32(lane)
     return (
         np.uint32(w0 | np.uint32(np.uint32(b0) << j)),
@@ -222,8 +222,8 @@ def rows(t: torch.Tensor) -> np.ndarray:
     """A stored tensor ``(B, H, T, ...)`` as a numpy array ``(B*H*T, ...)`` (a view where it is contiguous; fp16
     becomes float32, which numba computes with).  Numpy reshapes: a decode step makes a few of these per stored
     chunk, and torch's per-op overhead was most of a small chunk's read time.  fp16 goes to float32 through
-    numpy below :data:`_TORCH_HALF_FROM` values and through torch above it (one-off timings here: 2 us against
-    torch's 18 for a few values; 25 us against numpy's 300 for 98K, where torch's cast is vectorized)."""
+    numpy below :data:`_TORCH_HALF_FROM` values and through torch above it (for a few values torch's per-call
+    overhead dominates; for many, torch's cast is vectorized and numpy's is not)."""
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         t = t.view(torch.uint8)
     elif t.dtype == torch.float16 and t.numel() >= _TORCH_HALF_FROM:

@@ -98,7 +98,7 @@ def _orthonormalize_columns(a: np.ndarray) -> np.ndarray:
     """The Q of ``a = QR`` with ``diag(R) > 0`` (classical Gram-Schmidt, applied twice per column).
 
     This is exactly LAPACK's Q times ``sign(diag(R))`` (agreement ~1e-15), but uses only elementwise numpy:
-    a threaded BLAS/LAPACK QR of a 128 x 128 matrix can take 100x longer on a busy 2-core machine.
+    a threaded BLAS/LAPACK QR of a 128 x 128 matrix can be very slow on a busy machine with few cores.
     """
     d = a.shape[1]
     q = np.empty_like(a)
@@ -189,8 +189,7 @@ def _layer_matrices(kind: str, seed: int, layer_idx: int, dim: int, heads: int, 
 @functools.lru_cache(maxsize=1024)
 def _prod_basis(seed: int, layer_idx: int, dim: int, heads: int, device: str) -> torch.Tensor:
     """``[Pi; S Pi]``: ``(heads, 2 dim, dim)``, the stacked bases of ``TurboQuant_prod``'s two stages (made once,
-    not at every read: one-off timing here, a one-token chunk's scores took 180 us with the product made per read,
-    110 without)."""
+    not at every read: made per read, the product was a large share of a one-token chunk's scores)."""
     rot = _layer_matrices("rot", seed, layer_idx, dim, heads, device)
     return torch.cat([rot, _layer_matrices("qjl", seed, layer_idx, dim, heads, device) @ rot], dim=-2)
 
@@ -254,9 +253,9 @@ def _row_encoder(bits: int, run: int):
     uint8 (R, k * bits / 8)`` in the bit planes of :func:`pack_planes`.  The code of ``u = y / norm`` is the
     number of midpoints below it (``torch.bucketize``: the nearest centroid, ties to the lower one), found bit
     by bit, top bit first: each bit is ``u > m`` for the midpoint that splits the codes left by the bits above
-    it.  That is ``bits`` comparisons and a tree of selects per value, which LLVM vectorizes (1.7-2.5x faster
-    than counting all ``2^bits - 1`` midpoints for 2 and 3 bits, even for 4, in one-off timings here).  No
-    fastmath: the division and comparisons are torch's, bit for bit."""
+    it.  That is ``bits`` comparisons and a tree of selects per value, which LLVM vectorizes (faster than
+    counting all ``2^bits - 1`` midpoints for 2 and 3 bits, and even for 4).  No fastmath: the division and
+    comparisons are torch's, bit for bit."""
 
     @njit(boundscheck=False, nogil=True)
     def encode(y, col, k, norm, mids, out):
@@ -265,14 +264,14 @@ def _row_encoder(bits: int, run: int):
         for r in range(out.shape[0]):
             n = max(norm[r, 0], np.float32(_TINY))
             # the row sliced once and the block count passed in: with the offset in every index, or the count
-            # worked out from an array's shape here, this loop ran 3x slower (one-off timings)
+            # worked out from an array's shape here, this loop ran much slower
             row = y[r, col:]
             for block in range(k // run):
                 w0, w1, w2, w3 = np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
                 for j in range(run):
                     u = row[block * run + j] / n
                     # bottom-up trees of selects, each level in its own temporaries: written as one nested
-                    # expression, LLVM turned the 4-bit tree into branches (20x slower)
+                    # expression, LLVM turned the 4-bit tree into branches, far slower than the selects
                     b1 = b2 = b3 = False
                     if bits == 1:
                         b0 = u > m0
@@ -312,9 +311,9 @@ def _rotate_encoder(bits: tuple[int, ...], run: int):
     scipy's sgemm) once for all stages, and each stage's norms and codes are computed from its columns while the
     tile is in cache, instead of three passes over full-size tensors.  The norms are float32 sums in numba's
     order (:func:`_sum_squares`): they can differ from torch's ``vector_norm`` in the last bit, which can move a
-    code only where ``y / norm`` ties a midpoint.  One-off timings here, 16K x 3 x 64: 6.4 ms against 9.0 for
-    torch's matmul and norm followed by :func:`_row_encoder` at 3 bits; the split variants' two stages (3 and 2
-    bits) took no longer than one 3-bit stage over the same product (5.3 ms against 5.6)."""
+    code only where ``y / norm`` ties a midpoint.  The fused pass beats torch's matmul and norm followed by
+    :func:`_row_encoder` at 3 bits, and the split variants' two stages (3 and 2 bits) cost no more than one 3-bit
+    stage over the same product (measure with ``python -m niah bench kv``)."""
     encode, encode2 = _row_encoder(bits[0], run), _row_encoder(bits[-1], run)
     two = len(bits) == 2
 
@@ -379,8 +378,8 @@ def _prod_encoder(bits: int, dim: int):
 
 def _channel_squares(x: torch.Tensor) -> torch.Tensor:
     """``(B, H, d)`` float32: each channel's sum of squares over the tokens of ``x: (B, H, T, d)`` (ranks channels
-    as their RMS does).  On the CPU one numba pass that reads ``x`` once (one-off timing here, 16K x 3 x 64: 0.5 ms
-    against 2.4 for torch's ``square().mean(-2)``, which writes a squared copy)."""
+    as their RMS does).  On the CPU one numba pass that reads ``x`` once (torch's ``square().mean(-2)`` writes a
+    squared copy, and is slower for that)."""
     if not rowkernels.usable(x):
         return x.float().square().sum(dim=-2)
     b, h, t, d = x.shape
@@ -401,9 +400,9 @@ def _column_squares(x, tokens, out):
 @njit(fastmath={"reassoc", "nsz"}, boundscheck=False, nogil=True)
 def _sum_squares(x, r, lo, hi):
     """``sum of x[r, j]^2`` over ``lo <= j < hi`` in float32, vectorized (reassociated), over a slice of the row:
-    a loop ``range(lo, hi)`` over the row itself made the split variants' encode 1.3x slower (one-off timing here,
-    10.0 ms against 7.6).  Called, not inlined by numba: LLVM inlines it and keeps its fast-math flags, while
-    numba's own inlining would compile it under the caller's (none)."""
+    a loop ``range(lo, hi)`` over the row itself made the split variants' encode slower.  Called, not inlined by
+    numba: LLVM inlines it and keeps its fast-math flags, while numba's own inlining would compile it under the
+    caller's (none)."""
     row = x[r, lo:hi]
     acc = np.float32(0.0)
     for j in range(row.shape[0]):
@@ -458,9 +457,9 @@ def _planes_reader(bits: int, run: int):
     centroids ``c`` padded to 16 entries.  Each lane of a run shifts its bit out of every plane and picks its
     centroid with a tree of selects on those bits; LLVM vectorizes both.  ``bits`` and ``run`` are compile-time
     constants, except for one bit: LLVM unrolls a constant 32-lane loop of one select into scalar code, so that
-    loop reads its count at run time (:func:`_one_bit_pairs` is faster where it applies).  One-off timings here:
-    2-4x faster than unpacking 8 codes per word and loading each centroid; a run-time trip count for 2-4 bits
-    2-3x slower; for one bit 2.5x faster."""
+    loop reads its count at run time (:func:`_one_bit_pairs` is faster where it applies).  This is faster than
+    unpacking 8 codes per word and loading each centroid; a run-time trip count is slower for 2-4 bits and faster
+    for one bit."""
 
     @njit(**rowkernels.DECODER)
     def read(codes, s, c, run_at_run_time, r, out, offset):
@@ -488,7 +487,7 @@ def _planes_reader(bits: int, run: int):
 def _one_bit_pairs(codes, s, c, run_at_run_time, r, out, offset):
     """:func:`_planes_reader` for 1-bit codes in rows of a multiple of 64: one loop of 64 lanes per two runs,
     each lane picking its run's word, which LLVM vectorizes (a 32-lane loop of one select it unrolls into
-    scalars).  One-off timing here, QJL scores over 16K x 3 rows of d = 64: 1.0 ms against 1.5."""
+    scalars, which made QJL scores slower)."""
     c0, c1 = c[0], c[1]
     for pair in range(codes.shape[1] // 8):
         w0 = rowkernels.plane_words(codes, r, 2 * pair, 1, 32)[0]
@@ -507,8 +506,8 @@ def _stage_reader(bits: int, codes: int):
 def _block_row(stages: tuple[tuple[int, int], ...]):
     """The row decoder (:mod:`niah.kv.rowkernels`) of a :class:`_CodeBlock` with one or two stages of ``(bits,
     codes per vector)``: ``stored`` holds one ``(codes, scale, table, run)`` per stage, and the stages' values
-    follow one another in the row (one pass over the rows, not one per stage: 1.4-1.5x faster for
-    ``TurboQuant_prod`` in a one-off timing)."""
+    follow one another in the row (one pass over the rows, not one per stage: a pass per stage re-reads the rows,
+    which made ``TurboQuant_prod``'s reads slower)."""
     first_codes, read_first = stages[0][1], _stage_reader(*stages[0])
     if len(stages) == 1:
 
@@ -690,7 +689,7 @@ def _split_basis(seed: int, layer_idx: int, packed_mask: bytes, shape: tuple[int
     placed in the columns of its channels (ascending), for the outlier mask whose :func:`pack_bits` bytes are
     ``packed_mask`` (``shape = (B, H, d)``).  ``Pi x`` rotates each half of ``x``, and ``Pi^T`` puts each back in its
     channels, so neither quantize nor reads gather or scatter channels.  Made once per layer and mask, not at
-    every read: one-off timing here, a one-token chunk's scores took ~390 us with it made per read."""
+    every read: made per read, it dominated a one-token chunk's scores."""
     b, h, d = shape
     k = d // 2
     mask = unpack_bits(torch.frombuffer(bytearray(packed_mask), dtype=torch.uint8).view(b, h, -1), 1, d)

@@ -1,0 +1,101 @@
+"""The headline results of one run as Markdown: what ``python -m niah summary`` prints, what the chain writes
+to ``papermill_runs/<name>/summary.md``, and what ``make readme-results`` copies to ``results/<name>/summary.md``
+and into the README between its results markers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from .rundir import RunDir
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+class NoResults(FileNotFoundError):
+    """The run folder has no needle rows to summarize; the message says why."""
+
+
+def _needle_rows(run: RunDir) -> tuple[pd.DataFrame, pd.DataFrame]:
+    rows = run.rows("needles")
+    if not len(rows):
+        raise NoResults(f"no results in {run.path}: run `make reproduce CONFIG={run.cfg['name']}` first")
+    ok = rows[rows["status"] == "ok"]
+    if not len(ok):
+        counts = ", ".join(f"{n} {s}" for s, n in rows["status"].value_counts().items())
+        raise NoResults(f"no ok rows in {run.file('needles')} ({counts}); the first reason: {rows['reason'].iloc[0]}")
+    return rows, ok
+
+
+def _header(run: RunDir, ok: pd.DataFrame) -> str:
+    env = json.loads((run.path / "environment.json").read_text()) if (run.path / "environment.json").exists() else {}
+    machine = (f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB"
+               + (f", {', '.join(g.get('name', 'GPU') for g in env['gpus'])}" if env.get("gpus") else ", no GPU")) if env else "not recorded"
+    timing = json.loads(run.timing.read_text()) if run.timing.exists() else {}
+    per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in timing.items() if k != "total")
+    wall = f"{timing['total'] / 60:.1f} min of notebooks ({per_nb})" if timing else "not recorded (no timing.json)"
+    return (f"Config `{run.cfg['name']}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
+            f"last row {ok['time'].max()}; machine: {machine}; chain wall time: {wall}.")
+
+
+def _paired(ok: pd.DataFrame, ref: str) -> pd.DataFrame:
+    from .stats import paired_table
+
+    t = paired_table(ok, ref)
+    t = t[t["method"] != ref]
+    return pd.DataFrame({
+        "method": t["method"], "length": t["length"], "n": t["n"],
+        "accuracy": [f"{a:.2f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(t["accuracy"], t["ci_low"], t["ci_high"])],
+        "fp16": t["ref_accuracy"].round(2), "losses/gains": [f"{a}/{b}" for a, b in zip(t["losses"], t["gains"])],
+        "McNemar p": t["p"].map(lambda p: f"{p:.3g}"),
+        "log-prob diff [95%]": [f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for d, lo, hi in zip(t["logprob_diff"], t["logprob_low"], t["logprob_high"])],
+        "min detectable drop": t["min_detectable_drop"].round(2),
+    })
+
+
+def _ledger_counts(run: RunDir) -> str:
+    csv = run.ledger.with_suffix(".csv")
+    if not csv.exists():
+        return "not written (notebook 05 did not run)"
+    verdicts = pd.read_csv(csv)["verdict"].fillna("").map(lambda v: re.split(r"[ (]", v.strip())[0] or "?")
+    counts = verdicts.value_counts()
+    return ", ".join(f"{counts[v]} {v}" for v in ("supported", "refuted", "partly", "inconclusive", "untestable") if v in counts)
+
+
+def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
+    """The run's headline tables as Markdown (raises :class:`NoResults` without ``ok`` needle rows)."""
+    from .analysis import accuracy_table, at_lengths
+
+    run = RunDir(cfg, folder)
+    rows, ok = _needle_rows(run)
+    ref = cfg["niah"]["reference"]
+    parts = [
+        _header(run, ok),
+        f"\n**Needle accuracy** per method and length (95% Wilson interval, n questions; {cfg['niah']['needle']['kind']} needles):\n",
+        accuracy_table(rows, ref).to_markdown(),
+        f"\n**Against {ref} on the same questions**: McNemar's exact test on the paired right/wrong outcomes, the answer "
+        "log-prob difference with a paired bootstrap interval, and the smallest drop this n can detect:\n",
+        _paired(ok, ref).to_markdown(index=False),
+    ]
+    sweep = run.rows("sweep")
+    if len(sweep) and (sweep["status"] == "ok").any():
+        parts += ["\n**Pressure sweep** (ratios to the fp16 cache in the same run):\n", at_lengths(sweep, ref=ref).round(3).to_markdown(index=False)]
+    parts += [f"\n**Claims ledger**: {_ledger_counts(run)} (of the claims in `claims/claims.yaml`; the report has each verdict)."]
+    return "\n".join(parts) + "\n"
+
+
+def write_results(cfg: dict, readme: Path, results_root: Path, folder: str | Path | None = None) -> Path:
+    """Write ``results/<name>/summary.md`` and put it into ``readme`` between :data:`BEGIN` and :data:`END`."""
+    text = summary_markdown(cfg, folder)
+    target = results_root / cfg["name"] / "summary.md"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text, encoding="utf-8")
+    body = readme.read_text(encoding="utf-8")
+    if BEGIN not in body or END not in body:
+        raise NoResults(f"{readme} has no {BEGIN} ... {END} block to fill")
+    head, rest = body.split(BEGIN, 1)
+    readme.write_text(f"{head}{BEGIN}\n{text}{END}{rest.split(END, 1)[1]}", encoding="utf-8")
+    return target
