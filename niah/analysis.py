@@ -37,12 +37,18 @@ def sweep_fits(sweep: pd.DataFrame) -> pd.DataFrame:
         part = part.sort_values("length")
         kv = polyfit(part["length"], part["kv_bytes"], 1)
         ttft = polyfit(part["length"], part["ttft_s"], 2) if len(part) > 2 else None
-        rows.append({
-            "method": method, "kv_bytes_per_token": kv.coef[0], "kv_r2": kv.r2,
-            "ttft_quadratic_coef": ttft.coef[0] if ttft else float("nan"), "ttft_r2": ttft.r2 if ttft else float("nan"),
-            "tpot_first_ms": 1e3 * part["tpot_median_s"].iloc[0], "tpot_last_ms": 1e3 * part["tpot_median_s"].iloc[-1],
-            "longest": int(part["length"].iloc[-1]),
-        })
+        rows.append(
+            {
+                "method": method,
+                "kv_bytes_per_token": kv.coef[0],
+                "kv_r2": kv.r2,
+                "ttft_quadratic_coef": ttft.coef[0] if ttft else float("nan"),
+                "ttft_r2": ttft.r2 if ttft else float("nan"),
+                "tpot_first_ms": 1e3 * part["tpot_median_s"].iloc[0],
+                "tpot_last_ms": 1e3 * part["tpot_median_s"].iloc[-1],
+                "longest": int(part["length"].iloc[-1]),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -53,8 +59,19 @@ def at_lengths(sweep: pd.DataFrame, lengths=(4096, 8192, 16384), ref: str = "fp1
     ok["bytes_per_token"] = ok["kv_bytes"] / ok["length"]
     base = ok[ok["method"] == ref].set_index("length")
     ok["bytes_vs_ref"] = ok["kv_bytes"] / ok["length"].map(base["kv_bytes"])
-    cols = ["method", "length", "bytes_per_token", "bits_per_value", "bytes_vs_ref", "tpot_median_s", "tpot_vs_ref", "tpot_vs_ref_low",
-            "tpot_vs_ref_high", "score", "kl_vs_ref"]
+    cols = [
+        "method",
+        "length",
+        "bytes_per_token",
+        "bits_per_value",
+        "bytes_vs_ref",
+        "tpot_median_s",
+        "tpot_vs_ref",
+        "tpot_vs_ref_low",
+        "tpot_vs_ref_high",
+        "score",
+        "kl_vs_ref",
+    ]
     return ok[[c for c in cols if c in ok]].sort_values(["length", "bytes_per_token"])
 
 
@@ -67,8 +84,16 @@ def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
         if len(r["trace_t"]) < 8:
             continue
         osc = dominant_period(r["trace_t"], r["trace_bytes"])
-        rows.append({"method": r["method"], "length": r["length"], "samples": len(r["trace_t"]), "period_s": osc.period_s,
-                     "amplitude_MiB": osc.amplitude / 2**20, "autocorrelation": osc.strength})
+        rows.append(
+            {
+                "method": r["method"],
+                "length": r["length"],
+                "samples": len(r["trace_t"]),
+                "period_s": osc.period_s,
+                "amplitude_MiB": osc.amplitude / 2**20,
+                "autocorrelation": osc.strength,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -104,5 +129,18 @@ def method_table(df: pd.DataFrame, ref: str = "fp16") -> pd.DataFrame:
     extra = ok.groupby("method").agg(bytes_per_token=("bytes_per_token", "mean"), analytical_bits=("analytical_bits", "mean")).reset_index()
     s = s.merge(extra, on="method")
     s["bytes_vs_ref"] = s["bytes_per_token"] / float(s.loc[s["method"] == ref, "bytes_per_token"].iloc[0])
-    cols = ["method", "n", "accuracy", "ci_low", "ci_high", "answer_logprob", "kl_vs_ref", "top1_vs_ref", "bits_per_value", "analytical_bits", "bytes_per_token", "bytes_vs_ref"]
+    cols = [
+        "method",
+        "n",
+        "accuracy",
+        "ci_low",
+        "ci_high",
+        "answer_logprob",
+        "kl_vs_ref",
+        "top1_vs_ref",
+        "bits_per_value",
+        "analytical_bits",
+        "bytes_per_token",
+        "bytes_vs_ref",
+    ]
     return s[cols].sort_values("bits_per_value", ascending=False).reset_index(drop=True)

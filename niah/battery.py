@@ -33,10 +33,9 @@ from .kv.layout import CacheLayout
 from .kv.registry import get_method
 from .needles import INTRO, KEY_WORDS, NOUN, VALUE_KINDS, Trial, needle_text, question_texts
 from .prompts import frame
-from .protocol import ask, compare_logits, context_states, kv_entries, prefill
+from .protocol import answer_fields, ask, context_states, kv_entries, prefill
 from .results import ResultsTable
 from .rundir import RunDir, open_table
-from .scoring import string_match_all
 
 BATTERY_DEFAULTS = {
     "lengths": [4096, 8192, 16384],
@@ -58,7 +57,9 @@ def battery_settings(cfg: dict) -> dict:
     ref = cfg["niah"]["reference"]
     s["methods"] = [ref, *(m for m in methods if m != ref)]
     if s["needles"] * len(s["lengths"]) > len(KEY_WORDS):
-        raise ValueError(f"battery: {s['needles']} needles x {len(s['lengths'])} lengths need more distinct keys than the {len(KEY_WORDS)} there are")
+        raise ValueError(
+            f"battery: {s['needles']} needles x {len(s['lengths'])} lengths need more distinct keys than the {len(KEY_WORDS)} there are"
+        )
     return s
 
 
@@ -81,8 +82,16 @@ class Question:
         return self.context * 1000 + self.index
 
 
-def build_context(tokenizer, hay: TokenHaystack, lengths: list[int], needles: int, rng: random.Random, context: int = 0,
-                  kind: str = "number", style: str = "completion") -> tuple[list[int], list[Question]]:
+def build_context(
+    tokenizer,
+    hay: TokenHaystack,
+    lengths: list[int],
+    needles: int,
+    rng: random.Random,
+    context: int = 0,
+    kind: str = "number",
+    style: str = "completion",
+) -> tuple[list[int], list[Question]]:
     """Ids of one context of ``max(lengths)`` tokens and its questions.
 
     The needles of length ``L`` go at the last sentence starts before depths ``0, 1/(n-1), ..., 1`` of the first
@@ -109,13 +118,27 @@ def build_context(tokenizer, hay: TokenHaystack, lengths: list[int], needles: in
         out += hay.ids[cursor:stop]
         cursor = stop
         if len(out) + len(ids) > L:
-            raise ValueError(f"battery: {needles} needles per length do not fit in a {L}-token context with the longer lengths' needles; use fewer needles or longer lengths")
+            raise ValueError(
+                f"battery: {needles} needles per length do not fit in a {L}-token context with the longer lengths' needles; "
+                "use fewer needles or longer lengths"
+            )
         question, answer_prefix = question_texts(Trial([(key, value)], [key], [value], kind))
         after = frame(tokenizer, style, intro, question, answer_prefix)[1]
-        questions.append(Question(L, context, k, d, key, value, len(out), tuple(tokenizer.encode(after, add_special_tokens=False)),
-                                  tuple(tokenizer.encode(" " + value, add_special_tokens=False))))
+        questions.append(
+            Question(
+                L,
+                context,
+                k,
+                d,
+                key,
+                value,
+                len(out),
+                tuple(tokenizer.encode(after, add_special_tokens=False)),
+                tuple(tokenizer.encode(" " + value, add_special_tokens=False)),
+            )
+        )
         out += ids
-    out += hay.ids[cursor:cursor + max(lengths) - len(out)]
+    out += hay.ids[cursor : cursor + max(lengths) - len(out)]
     if len(out) < max(lengths):
         raise ValueError(f"the haystack holds too few tokens for a {max(lengths)}-token context")
     return out, sorted(questions, key=lambda q: (q.length, q.index))
@@ -144,7 +167,11 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
             contexts.append(build_context(lm.tokenizer, sub, lengths, s["needles"], rng, c, kind, style))
 
     def row(q: Question, method: str) -> dict:
-        return {**base_row(cfg, lm.name, Cell(style, q.length, round(q.depth, 4), q.trial), method), "context": q.context, "needle_key": q.key}
+        return {
+            **base_row(cfg, lm.name, Cell(style, q.length, round(q.depth, 4), q.trial), method),
+            "context": q.context,
+            "needle_key": q.key,
+        }
 
     def missing(q: Question) -> list[str]:
         return [m for m in methods if table.key(row(q, m)) not in table.done]
@@ -170,7 +197,13 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
                 t0 = time.perf_counter()
                 cache = prefill(lm.model, ids[done:L], cache, n["prefill_chunk"])
                 prefill_s, done = prefill_s + time.perf_counter() - t0, L
-                _append(table, bar, _ask_all(lm, context_states(cache), methods, ref, qs, missing, row, n["max_new_tokens"], s["sliding_layers"], prefill_s))
+                _append(
+                    table,
+                    bar,
+                    _ask_all(
+                        lm, context_states(cache), methods, ref, qs, missing, row, n["max_new_tokens"], s["sliding_layers"], prefill_s
+                    ),
+                )
             except (torch.OutOfMemoryError, MemoryError) as err:
                 _append(table, bar, [{**row(q, m), "status": "oom", "reason": str(err)[:300]} for q in qs for m in missing(q)])
                 break
@@ -184,7 +217,9 @@ def _append(table: ResultsTable, bar, rows: list[dict]) -> None:
     bar.update(len(rows))
 
 
-def _ask_all(lm, states, methods: dict, ref: str, qs: list[Question], missing, row, max_new: int, sliding: str, prefill_s: float) -> list[dict]:
+def _ask_all(
+    lm, states, methods: dict, ref: str, qs: list[Question], missing, row, max_new: int, sliding: str, prefill_s: float
+) -> list[dict]:
     """Store ``states`` once per method and ask every question of ``qs`` over a clone of it (the reference first,
     whose answer logits the others' KL is taken against)."""
     values, rows, ref_logsm = kv_entries(states), [], {}
@@ -201,17 +236,20 @@ def _ask_all(lm, states, methods: dict, ref: str, qs: list[Question], missing, r
                 ref_logsm[q] = ans.answer_logsoftmax
             if name not in missing(q):
                 continue
-            kl, top1 = compare_logits(ref_logsm[q], ans.answer_logsoftmax)
-            rows.append({
-                **row(q, name), "status": "ok", "reason": "", "context_tokens": q.length, "needle_position": q.position / q.length,
-                "expected": [q.value], "generated": ans.text, "score": string_match_all(ans.text, [q.value]),
-                "answer_logprob": ans.answer_logprob, "answer_tokens": len(q.answer_ids), "kl_vs_ref": kl, "top1_vs_ref": top1,
-                "kv_bytes": nbytes["total"], "kv_bytes_packed": nbytes["packed"], "kv_bytes_residual": nbytes["residual"],
-                "kv_bytes_full_attention": nbytes["full_attention"], "kv_bytes_sliding_attention": nbytes["sliding_attention"],
-                "linear_state_bytes": nbytes["linear_state"], "bits_per_value": 8 * nbytes["total"] / values,
-                "analytical_bits": methods[name].analytical_bits(lm.head_dim), "sliding_layers": sliding,
-                "prefill_s": prefill_s, "quantize_s": quantize_s, "question_s": ans.question_s, "decode_s_per_token": ans.decode_s_per_token,
-            })
+            rows.append(
+                {
+                    **row(q, name),
+                    "status": "ok",
+                    "reason": "",
+                    "context_tokens": q.length,
+                    "needle_position": q.position / q.length,
+                    "answer_tokens": len(q.answer_ids),
+                    **answer_fields(ans, [q.value], ref_logsm[q], nbytes, values, methods[name], lm.head_dim),
+                    "sliding_layers": sliding,
+                    "prefill_s": prefill_s,
+                    "quantize_s": quantize_s,
+                }
+            )
     return rows
 
 

@@ -81,10 +81,16 @@ def codec_throughput(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
         packed = q.quantize(x)
         qs, q_ratio = paired_ratio(lambda: q.quantize(x), copy, repeat)
         ds, d_ratio = paired_ratio(lambda: q.dequantize(packed), copy, repeat)
-        rows.append({
-            "method": name, "copy_MBps": mb / copy_s, "quantize_MBps": mb / qs, "dequantize_MBps": mb / ds,
-            "quantize_vs_copy": 1 / q_ratio, "dequantize_vs_copy": 1 / d_ratio,
-        })
+        rows.append(
+            {
+                "method": name,
+                "copy_MBps": mb / copy_s,
+                "quantize_MBps": mb / qs,
+                "dequantize_MBps": mb / ds,
+                "quantize_vs_copy": 1 / q_ratio,
+                "dequantize_vs_copy": 1 / d_ratio,
+            }
+        )
     rot = torch.linalg.qr(torch.randn(kv_heads, head_dim, head_dim))[0]
     qjl = torch.randn(kv_heads, head_dim, head_dim)
 
@@ -101,7 +107,9 @@ def codec_throughput(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
     return pd.DataFrame(rows)
 
 
-def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3, q_heads: int = 9, head_dim: int = 64, repeat: int = 9) -> pd.DataFrame:
+def decode_attention(
+    methods: list[str], tokens: int = 16384, kv_heads: int = 3, q_heads: int = 9, head_dim: int = 64, repeat: int = 9
+) -> pd.DataFrame:
     """One decode step of one layer over ``tokens`` cached tokens: ms per method and ratio to the fp32 cache
     (the median of ratios to reference steps timed alternately with it, :func:`paired_ratio`).
 
@@ -129,8 +137,10 @@ def decode_attention(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
 
     base = median_time(fp32_step, repeat)
     cat, cat_ratio = paired_ratio(fp32_cat_step, fp32_step, repeat)
-    rows = [{"method": "fp32 (no cache method)", "path": "sdpa", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0},
-            {"method": "fp32 (no cache method)", "path": "torch.cat + sdpa", "step_ms": 1e3 * cat, "ratio_to_fp32": cat_ratio}]
+    rows = [
+        {"method": "fp32 (no cache method)", "path": "sdpa", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0},
+        {"method": "fp32 (no cache method)", "path": "torch.cat + sdpa", "step_ms": 1e3 * cat, "ratio_to_fp32": cat_ratio},
+    ]
     for name in methods:
         for path in ("dequantize", "per chunk"):
             layer = PackedLayer(get_method(name), 0, keep_dequantized=False, fused_decode=path == "per chunk")

@@ -115,8 +115,10 @@ def check(config: str, run_root: Path | None = None) -> dict:
         raise FileNotFoundError(f"no report in {out}: run `make report CONFIG={config}` first")
     figures = sum(
         "image/png" in o.get("data", {})
-        for nb in chain() if (out / nb.name).exists()
-        for c in nbformat.read(out / nb.name, as_version=4).cells if c.cell_type == "code"
+        for nb in chain()
+        if (out / nb.name).exists()
+        for c in nbformat.read(out / nb.name, as_version=4).cells
+        if c.cell_type == "code"
         for o in c.get("outputs", [])
     )
     floor = len(load_config(config)["niah"]["methods"])  # at least one needle heatmap per KV method

@@ -38,6 +38,7 @@ LLAMA2_70B = {"layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128}
 # meta-llama/Meta-Llama-3-8B config.json: num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 8, hidden 4096
 LLAMA3_8B = {"layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
 
+
 def dense_layout(arch: dict, kv_heads: int | None = None) -> CacheLayout:
     """The cache layout of a model whose every layer is full attention (the Llama configs above)."""
     return CacheLayout((FULL,) * arch["layers"], kv_heads or arch["kv_heads"], arch["head_dim"])
@@ -106,7 +107,12 @@ def _drops(ev: Evidence, *methods: str, ref: str = "fp16") -> dict[str, dict] | 
         phi = (max(cross - n / 2, 0) if cross >= 0 else cross) / math.sqrt(margins) if margins else 0.0  # his corrected correlation
         (lo_ref, hi_ref), lo, hi = wilson_interval(right, n), r["ci_low"], r["ci_high"]
         root = lambda x, y: math.sqrt(max(x * x - 2 * phi * x * y + y * y, 0.0))  # noqa: E731
-        out[m] = {**r, "drop": p_ref - p, "drop_low": p_ref - p - root(p_ref - lo_ref, hi - p), "drop_high": p_ref - p + root(hi_ref - p_ref, p - lo)}
+        out[m] = {
+            **r,
+            "drop": p_ref - p,
+            "drop_low": p_ref - p - root(p_ref - lo_ref, hi - p),
+            "drop_high": p_ref - p + root(hi_ref - p_ref, p - lo),
+        }
     return out
 
 
@@ -120,9 +126,12 @@ def _drop_verdict(d: dict, threshold: float, claim_holds_above: bool) -> tuple[s
 
 
 def _drop_text(method: str, d: dict) -> str:
-    return (f"{method} accuracy {d['accuracy']:.2f} [{d['ci_low']:.2f}, {d['ci_high']:.2f}] vs fp16 {d['ref_accuracy']:.2f} on the same "
-            f"{d['n']} questions: drop {d['drop']:+.2f} [{d['drop_low']:+.2f}, {d['drop_high']:+.2f}] ({d['losses']} lost, {d['gains']} gained, "
-            f"McNemar p = {d['p']:.2g}), answer log-prob {d['logprob_diff']:+.2f} [{d['logprob_low']:+.2f}, {d['logprob_high']:+.2f}]")
+    return (
+        f"{method} accuracy {d['accuracy']:.2f} [{d['ci_low']:.2f}, {d['ci_high']:.2f}] vs fp16 {d['ref_accuracy']:.2f} on the same "
+        f"{d['n']} questions: drop {d['drop']:+.2f} [{d['drop_low']:+.2f}, {d['drop_high']:+.2f}] "
+        f"({d['losses']} lost, {d['gains']} gained, "
+        f"McNemar p = {d['p']:.2g}), answer log-prob {d['logprob_diff']:+.2f} [{d['logprob_low']:+.2f}, {d['logprob_high']:+.2f}]"
+    )
 
 
 @dataclass
@@ -154,7 +163,10 @@ def s0_2(ev):
     x = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))
     p = get_method("q8_0").key.quantize(x)
     per = x.numel() / p.tensors["scales"].numel()
-    return f"our q8_0 (bit-exact with gguf.quants, see tests) keeps one fp16 scale per {per:.0f} values", "refuted" if per < x.numel() else "supported"
+    return (
+        f"our q8_0 (bit-exact with gguf.quants, see tests) keeps one fp16 scale per {per:.0f} values",
+        "refuted" if per < x.numel() else "supported",
+    )
 
 
 def s0_3(ev):
@@ -195,9 +207,11 @@ def s0_5(ev):
 def s0_6(ev):
     layout = CacheLayout.from_config(qwen3_5_35b_a3b_config())
     kv = layout.kv_bytes(16384, 16)["total"]
-    measured = (f"the whole fp16 KV cache of Qwen3.5-35B-A3B at 16K is {kv / 1e9:.2f} GB: only its {layout.count(FULL)} full-attention "
-                f"layers ({layout.kv_heads} KV heads x {layout.head_dim}) store keys and values; its {layout.count(LINEAR)} Gated DeltaNet "
-                f"layers keep a fixed {2 * layout.linear_state_values() / 1e6:.1f} MB state (bf16), which is not KV; the claimed saving is 14.2 GB")
+    measured = (
+        f"the whole fp16 KV cache of Qwen3.5-35B-A3B at 16K is {kv / 1e9:.2f} GB: only its {layout.count(FULL)} full-attention "
+        f"layers ({layout.kv_heads} KV heads x {layout.head_dim}) store keys and values; its {layout.count(LINEAR)} Gated DeltaNet "
+        f"layers keep a fixed {2 * layout.linear_state_values() / 1e6:.1f} MB state (bf16), which is not KV; the claimed saving is 14.2 GB"
+    )
     if ev.device != "cuda":
         measured += "; peak GPU memory not measured (CPU run)"
     return measured, "refuted" if kv < 14.2e9 else "untestable here (needs CUDA)"
@@ -224,7 +238,10 @@ def s0_9(ev):
     if not len(ev.sweep):
         return _missing("pressure sweep")
     lengths = sorted(ev.sweep["length"].unique())
-    measured = f"{len(lengths)} steps from {lengths[0]} to {lengths[-1]} tokens; KV bytes, peak memory, TTFT, TPOT recorded; memory bandwidth not recorded"
+    measured = (
+        f"{len(lengths)} steps from {lengths[0]} to {lengths[-1]} tokens; KV bytes, peak memory, TTFT, TPOT recorded; "
+        "memory bandwidth not recorded"
+    )
     return measured, "partly"
 
 
@@ -239,8 +256,11 @@ def s0_10(ev):
     periodic = b[b["period_s"].notna()]
     near = int(((periodic["period_s"] - 0.237).abs() <= 0.05).sum())
     lo, hi = wilson_interval(near, len(b))
-    measured = (f"{near} of {len(b)} traces have a period within 50 ms of 237 ms (share [{lo:.2f}, {hi:.2f}], 95% Wilson), {len(periodic)} periodic at all; "
-                f"median amplitude {b['amplitude_MiB'].median():.1f} MiB ({ev.sweep['memory_source'].iloc[0]})")
+    measured = (
+        f"{near} of {len(b)} traces have a period within 50 ms of 237 ms (share [{lo:.2f}, {hi:.2f}], 95% Wilson), "
+        f"{len(periodic)} periodic at all; "
+        f"median amplitude {b['amplitude_MiB'].median():.1f} MiB ({ev.sweep['memory_source'].iloc[0]})"
+    )
     return measured, _single(interval_verdict(lo, hi, 0.5, True), f"n={len(b)} traces, share {near / len(b):.2f} [{lo:.2f}, {hi:.2f}]")
 
 
@@ -282,9 +302,12 @@ def s0_13(ev):
     row = q8.set_index("length").loc[L]
     ratio, lo, hi, rounds = row["tpot_vs_ref"], row.get("tpot_vs_ref_low"), row.get("tpot_vs_ref_high"), row["decode_steps"]
     spread = not (pd.isna(lo) or pd.isna(hi))
-    measured = (f"q8_0 TPOT / fp16 TPOT at {L} tokens = {ratio:.2f}" + (f" [{lo:.2f}, {hi:.2f}] (95% bootstrap over rounds)" if spread else "")
-                + f", median of {rounds} paired rounds, against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel); "
-                "q8_0 is attended from its codes")
+    measured = (
+        f"q8_0 TPOT / fp16 TPOT at {L} tokens = {ratio:.2f}"
+        + (f" [{lo:.2f}, {hi:.2f}] (95% bootstrap over rounds)" if spread else "")
+        + f", median of {rounds} paired rounds, against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel); "
+        "q8_0 is attended from its codes"
+    )
     if not spread:
         return measured, "inconclusive (no spread measured: one median ratio per step)"
     return measured, _single(interval_verdict(lo, hi, 0.85, False), f"n={rounds} rounds, TPOT ratio {ratio:.2f} [{lo:.2f}, {hi:.2f}]")
@@ -296,8 +319,10 @@ def s0_14(ev):
         return _missing("q8_0 rows")
     per_question = q8["kl_vs_ref"].dropna()
     kl, lo, hi = paired_bootstrap(per_question)
-    measured = (f"mean KL(fp16 || q8_0) over answer positions = {kl:.2e} [{lo:.2e}, {hi:.2e}] (95% bootstrap over {len(per_question)} questions), "
-                f"top-1 agreement {q8['top1_vs_ref'].mean():.3f}")
+    measured = (
+        f"mean KL(fp16 || q8_0) over answer positions = {kl:.2e} [{lo:.2e}, {hi:.2e}] (95% bootstrap over {len(per_question)} questions), "
+        f"top-1 agreement {q8['top1_vs_ref'].mean():.3f}"
+    )
     return measured, _single(interval_verdict(lo, hi, 0.05, False), f"n={len(per_question)}, mean KL {kl:.3f} [{lo:.3f}, {hi:.3f}]")
 
 
@@ -308,14 +333,20 @@ def s0_15(ev):
     if "cold_s" in cw:  # repeated fresh processes
         target, warmup, cold, warm = cw["target"], cw["warmup"], np.asarray(cw["cold_s"], float), np.asarray(cw["warm_s"], float)
     else:  # one cold and one warm process
-        target, warmup, cold, warm = cw["cold"]["target"], cw["warm"]["warmup"], np.array([cw["cold"]["ttft_s"]]), np.array([cw["warm"]["ttft_s"]])
+        target, warmup, cold, warm = (
+            cw["cold"]["target"],
+            cw["warm"]["warmup"],
+            np.array([cw["cold"]["ttft_s"]]),
+            np.array([cw["warm"]["ttft_s"]]),
+        )
     r = 1 - np.median(warm) / np.median(cold)
     rng = np.random.default_rng(0)
     draws = 1 - np.median(rng.choice(warm, (BOOTSTRAP, len(warm))), axis=1) / np.median(rng.choice(cold, (BOOTSTRAP, len(cold))), axis=1)
     lo, hi = np.quantile(draws, [0.025, 0.975])
     n = f"n={len(cold)} cold and {len(warm)} warm runs"
-    measured = (f"a {warmup}-token warm-up cut the first {target}-token TTFT by {r:.0%} (1 - median warm / median cold, {n}"
-                + (f"; 95% bootstrap interval [{lo:.0%}, {hi:.0%}])" if min(len(cold), len(warm)) > 1 else ")"))
+    measured = f"a {warmup}-token warm-up cut the first {target}-token TTFT by {r:.0%} (1 - median warm / median cold, {n}" + (
+        f"; 95% bootstrap interval [{lo:.0%}, {hi:.0%}])" if min(len(cold), len(warm)) > 1 else ")"
+    )
     if target != 16384:
         return measured, f"inconclusive (measured at {target}, the claim is about 16384)"
     if min(len(cold), len(warm)) < 2:
@@ -332,7 +363,10 @@ def s1_1(ev):
     if not len(t3):
         return _missing("turbo3 rows")
     bits = float(t3["bits_per_value"].mean())
-    return f"turbo3 stores {bits:.2f} bits/value: {16 / bits:.2f}x smaller than fp16 (ceiling 16/3 = 5.33x)", "refuted" if 16 / bits < 8 else "supported"
+    return (
+        f"turbo3 stores {bits:.2f} bits/value: {16 / bits:.2f}x smaller than fp16 (ceiling 16/3 = 5.33x)",
+        "refuted" if 16 / bits < 8 else "supported",
+    )
 
 
 def s1_2(ev):
@@ -361,7 +395,9 @@ def _ppl_text(table: pd.DataFrame, method: str) -> str:
 def _ppl_verdict(table: pd.DataFrame, method: str, claim_holds_above: bool) -> tuple[str, str]:
     """(verdict, detail) on "``method`` costs more than 1% perplexity" (or less) from the bootstrap interval over windows."""
     r = table.loc[method]
-    return interval_verdict(r["ci_low"], r["ci_high"], 1.01, claim_holds_above), f"n={int(r['windows'])} windows, perplexity {_ppl_text(table, method)}"
+    return interval_verdict(
+        r["ci_low"], r["ci_high"], 1.01, claim_holds_above
+    ), f"n={int(r['windows'])} windows, perplexity {_ppl_text(table, method)}"
 
 
 def s1_3(ev):
@@ -370,8 +406,10 @@ def s1_3(ev):
         return _missing("perplexity rows of fp16 and int8_token")
     r = table.loc["int8_token"]
     others = [_ppl_text(table, m) for m in ("q8_0", "fp8_e4m3") if m in table.index]
-    measured = (f"perplexity vs fp16 over {int(r['scored_tokens'])} held-out tokens in {int(r['windows'])} windows (95% bootstrap interval over windows): "
-                + ", ".join([_ppl_text(table, "int8_token"), *others]))
+    measured = (
+        f"perplexity vs fp16 over {int(r['scored_tokens'])} held-out tokens in {int(r['windows'])} windows "
+        f"(95% bootstrap interval over windows): " + ", ".join([_ppl_text(table, "int8_token"), *others])
+    )
     return measured, _single(*_ppl_verdict(table, "int8_token", True))
 
 
@@ -403,7 +441,9 @@ def s1_5(ev):
     measured += "; code completion not measured"
     if any(v == "refuted" for v, _ in parts.values()):
         return measured, "refuted"
-    return measured, "inconclusive (code completion not measured; " + "; ".join(f"{p}: {_single(v, x)}" for p, (v, x) in parts.items()) + ")"
+    return measured, "inconclusive (code completion not measured; " + "; ".join(
+        f"{p}: {_single(v, x)}" for p, (v, x) in parts.items()
+    ) + ")"
 
 
 def s1_6(ev):
@@ -411,8 +451,10 @@ def s1_6(ev):
     if not len(fp4):
         return _missing("fp4_e2m1 rows")
     lo, hi = wilson_interval(fp4["score"].sum(), len(fp4))
-    return (f"fp4_e2m1 (1 sign, 2 exponent, 1 mantissa bit, fp16 scale per 32) stores {fp4['bits_per_value'].mean():.2f} bits/value, "
-            f"accuracy {fp4['score'].mean():.2f} [{lo:.2f}, {hi:.2f}] (n={len(fp4)})"), "supported"
+    return (
+        f"fp4_e2m1 (1 sign, 2 exponent, 1 mantissa bit, fp16 scale per 32) stores {fp4['bits_per_value'].mean():.2f} bits/value, "
+        f"accuracy {fp4['score'].mean():.2f} [{lo:.2f}, {hi:.2f}] (n={len(fp4)})"
+    ), "supported"
 
 
 def s3_6(ev):
@@ -444,9 +486,11 @@ def s3_9(ev):
     ok = ev.niah[ev.niah["status"] == "ok"]
     kl = ok.pivot_table(index=list(PAIR_KEY), columns="method", values="kl_vs_ref")[["fp8_e4m3", "fp8_e5m2"]].dropna()
     diff, lo, hi = paired_bootstrap(kl["fp8_e5m2"] - kl["fp8_e4m3"])
-    measured = (f"KL vs fp16 on the same {len(kl)} questions: e4m3 {kl['fp8_e4m3'].mean():.2e}, e5m2 {kl['fp8_e5m2'].mean():.2e}, "
-                f"e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}] (95% paired bootstrap); '5-bit exponent + 2-bit mantissa' is e5m2, "
-                "vLLM's default fp8 KV dtype is e4m3")
+    measured = (
+        f"KL vs fp16 on the same {len(kl)} questions: e4m3 {kl['fp8_e4m3'].mean():.2e}, e5m2 {kl['fp8_e5m2'].mean():.2e}, "
+        f"e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}] (95% paired bootstrap); '5-bit exponent + 2-bit mantissa' is e5m2, "
+        "vLLM's default fp8 KV dtype is e4m3"
+    )
     if lo > 0:  # e4m3, vLLM's default, is the better one
         return measured, "partly"
     return measured, "supported" if hi < 0 else f"inconclusive (n={len(kl)}, KL e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}])"
@@ -495,8 +539,10 @@ def s3_3(ev):
     late = lambda r: max(v for k, v in r["repeat_by_segment"].items() if not k.startswith("0-"))  # noqa: E731
     garbage = float(w4a4["ppl_delta"]) > 100
     more_repeats = late(w4a4) > late(ref)
-    measured = (f"W4A4 perplexity +{float(w4a4['ppl_delta']):.0f}; repeated 4-gram share after 128 tokens {late(w4a4):.2f} "
-                f"(fp32 itself: {late(ref):.2f})")
+    measured = (
+        f"W4A4 perplexity +{float(w4a4['ppl_delta']):.0f}; repeated 4-gram share after 128 tokens {late(w4a4):.2f} "
+        f"(fp32 itself: {late(ref):.2f})"
+    )
     return measured, "supported" if garbage and more_repeats else ("partly" if garbage or more_repeats else "refuted")
 
 
@@ -509,7 +555,9 @@ def s3_4(ev):
     if any(not len(v) for v in by.values()):
         return _missing("30% activation-mask and magnitude-pruning rows")
     act, mag = (float(by[z]["ppl_delta"].iloc[-1]) for z in ("activation", "magnitude"))
-    measured = f"30% of input channels zeroed by activation salience: +{act:.2f} perplexity; 30% magnitude pruning: +{mag:.2f}; no fine-tuning"
+    measured = (
+        f"30% of input channels zeroed by activation salience: +{act:.2f} perplexity; 30% magnitude pruning: +{mag:.2f}; no fine-tuning"
+    )
     if abs(act - 1.4) <= 0.7 and mag > act:
         return measured, "supported"
     return measured, "partly" if act < mag else "refuted"
@@ -518,7 +566,9 @@ def s3_4(ev):
 def s3_5(ev):
     verdicts, parts = [], []
     for b in (3, 4):
-        rows = _wq_rows(ev, *(f"W{b}A16 RTN g64 asym" + s for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")))
+        rows = _wq_rows(
+            ev, *(f"W{b}A16 RTN g64 asym" + s for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random"))
+        )
         if rows is None:
             continue
         plain, act, wt, rnd = (float(r["ppl_delta"]) for r in rows)
@@ -533,8 +583,10 @@ def s3_10(ev):
     check = _wq(ev, "auto-round W4A8 check")
     if check is None:
         return _missing("auto-round capability check")
-    measured = (f"auto-round {check['auto_round_version']}: W4A8 presets {list(check['presets_w4a8']) or 'none'}; a custom act_bits=8 scheme "
-                f"{'is accepted' if check['custom_w4a8_accepted'] else 'is refused'}; real W4A8 export: {bool(check['real_w4a8_export'])}")
+    measured = (
+        f"auto-round {check['auto_round_version']}: W4A8 presets {list(check['presets_w4a8']) or 'none'}; a custom act_bits=8 scheme "
+        f"{'is accepted' if check['custom_w4a8_accepted'] else 'is refused'}; real W4A8 export: {bool(check['real_w4a8_export'])}"
+    )
     if check["custom_w4a8_accepted"] and check["real_w4a8_export"]:
         return measured, "supported"
     return measured, "partly" if check["custom_w4a8_accepted"] else "refuted"
@@ -547,7 +599,11 @@ def s3_11(ev):
     w4a8 = df[(df["scheme"] == "W4A8 AutoRound g64") & (df["status"] == "ok")].drop_duplicates("model", keep="last")
     if not len(w4a8):
         return _missing("W4A8 rows")
-    measured = "; ".join(f"{r['model']}: weight kurtosis {r['kurtosis_fp32']:.2f} (max layer {r['kurtosis_max_layer']:.1f}), W4A8 +{r['ppl_delta']:.2f} perplexity" for _, r in w4a8.iterrows())
+    measured = "; ".join(
+        f"{r['model']}: weight kurtosis {r['kurtosis_fp32']:.2f} (max layer {r['kurtosis_max_layer']:.1f}), "
+        f"W4A8 +{r['ppl_delta']:.2f} perplexity"
+        for _, r in w4a8.iterrows()
+    )
     if len(w4a8) < 3:
         return measured, f"untestable here ({len(w4a8)} model(s); a predictor needs at least 3)"
     high = w4a8[w4a8["kurtosis_fp32"] > 4.5]["ppl_delta"]
@@ -566,7 +622,10 @@ def s3_12(ev):
         return _missing("quantized perplexity rows")
     worst = q.loc[q["ppl_delta"].idxmax()]
     within = int((q["ppl_delta"] <= 1.5).sum())
-    return f"{within} of {len(q)} quantized configurations within +1.5 perplexity; worst {worst['scheme']} +{worst['ppl_delta']:.1f}", "supported" if within == len(q) else "refuted"
+    return (
+        f"{within} of {len(q)} quantized configurations within +1.5 perplexity; worst {worst['scheme']} +{worst['ppl_delta']:.1f}",
+        "supported" if within == len(q) else "refuted",
+    )
 
 
 CLAIMS_FILE = ROOT / "claims" / "claims.yaml"
@@ -601,8 +660,20 @@ def ledger(ev: Evidence, extra: list[Claim] = ()) -> pd.DataFrame:
             measured, verdict = c.evaluate(ev)
         except Exception as err:  # a broken evaluator must not hide the others
             measured, verdict = f"evaluation failed: {type(err).__name__}: {err}", "untestable here (evaluation error)"
-        rows.append({"id": c.id, "seed": c.seed, "section": c.section, "claim": c.claim, "test": c.test, "threshold": c.threshold,
-                     "measured": measured, "verdict": verdict, "config": ev.config, "commit": ev.commit})
+        rows.append(
+            {
+                "id": c.id,
+                "seed": c.seed,
+                "section": c.section,
+                "claim": c.claim,
+                "test": c.test,
+                "threshold": c.threshold,
+                "measured": measured,
+                "verdict": verdict,
+                "config": ev.config,
+                "commit": ev.commit,
+            }
+        )
     df = pd.DataFrame(rows)
     return df.sort_values("id", key=lambda s: s.map(_id_key)).reset_index(drop=True)
 
@@ -621,8 +692,13 @@ def gather_evidence(run, kv_value_share: float | None = None) -> Evidence:
 
     cfg = run.cfg
     return Evidence(
-        config=cfg["name"], device=cfg["device"], commit=git_commit(),
-        niah=run.rows("needles"), sweep=run.rows("sweep"), weightquant=run.rows("weightquant"), kv_ppl=run.rows("kv_perplexity"),
+        config=cfg["name"],
+        device=cfg["device"],
+        commit=git_commit(),
+        niah=run.rows("needles"),
+        sweep=run.rows("sweep"),
+        weightquant=run.rows("weightquant"),
+        kv_ppl=run.rows("kv_perplexity"),
         cold_warm=json.loads(run.cold_warm.read_text()) if run.cold_warm.exists() else None,
         kv_value_share=kv_value_share,
     )

@@ -91,11 +91,27 @@ def validate(raw: dict, where: str = "config") -> dict:
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise ConfigError(f"{where}: missing required setting(s) {', '.join(missing)}")
-    cfg = _merge({**DEFAULTS, "name": None, "model": {}, "description": "", "sweep": {}, "weightquant": {}, "kv_perplexity": {}, "battery": {}, "weight_model": None}, raw, "", strict=True)
+    cfg = _merge(
+        {
+            **DEFAULTS,
+            "name": None,
+            "model": {},
+            "description": "",
+            "sweep": {},
+            "weightquant": {},
+            "kv_perplexity": {},
+            "battery": {},
+            "weight_model": None,
+        },
+        raw,
+        "",
+        strict=True,
+    )
     name = cfg["name"]
     if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
-        raise ConfigError(f"{where}: name must be one folder name of letters, digits, '.', '_' or '-' (it names "
-                          f"papermill_runs/<name>/); got {name!r}")
+        raise ConfigError(
+            f"{where}: name must be one folder name of letters, digits, '.', '_' or '-' (it names papermill_runs/<name>/); got {name!r}"
+        )
     for section in ("model", "weight_model"):
         if cfg[section] is not None or section == "model":
             _check_model(cfg[section], f"{where}: {section}")
@@ -168,8 +184,12 @@ def _check_sections(cfg: dict, where: str) -> None:
     from .weightquant.settings import settings as weightquant_settings
 
     try:
-        for section, read in (("battery", battery_settings), ("sweep", sweep_settings), ("kv_perplexity", kv_perplexity_settings),
-                              ("weightquant", weightquant_settings)):
+        for section, read in (
+            ("battery", battery_settings),
+            ("sweep", sweep_settings),
+            ("kv_perplexity", kv_perplexity_settings),
+            ("weightquant", weightquant_settings),
+        ):
             if not isinstance(cfg[section], dict):
                 raise ConfigError(f"{section} must be a mapping of settings; got {cfg[section]!r}")
             methods = read(cfg).get("methods", [])

@@ -26,7 +26,9 @@ def git_commit() -> str:
     ``figures/`` does not count: the chain itself rewrites the committed figures before its later notebooks
     record the commit."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
         status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)figures"]
         dirty = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
@@ -53,12 +55,14 @@ def gpus() -> list[dict]:
     for i in range(pynvml.nvmlDeviceGetCount()):
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         name = pynvml.nvmlDeviceGetName(h)
-        out.append({
-            "index": i,
-            "name": name.decode() if isinstance(name, bytes) else name,
-            "memory_gib": round(pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1),
-            "driver": pynvml.nvmlSystemGetDriverVersion(),
-        })
+        out.append(
+            {
+                "index": i,
+                "name": name.decode() if isinstance(name, bytes) else name,
+                "memory_gib": round(pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1),
+                "driver": pynvml.nvmlSystemGetDriverVersion(),
+            }
+        )
     pynvml.nvmlShutdown()
     return out
 

@@ -24,9 +24,9 @@ from .kv.layout import CacheLayout
 from .kv.registry import get_method
 from .needles import NeedleSpec, make_trial
 from .prompts import CellPrompt, build_cell
-from .protocol import compare_logits, context_states, kv_entries, prefill, run_method
+from .protocol import answer_fields, context_states, kv_entries, prefill, run_method
 from .rundir import RunDir, open_table
-from .scoring import string_match_all
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -48,10 +48,20 @@ def trial_rng(cfg: dict, cell: Cell) -> random.Random:
 
 def base_row(cfg, model_name, cell: Cell, method: str) -> dict:
     return {
-        "config": cfg["name"], "config_hash": cfg["hash"], "model": model_name, "prompt_style": cell.style,
-        "length": cell.length, "depth": cell.depth, "trial": cell.trial, "method": method, "seed": cfg["seed"],
-        "needle_kind": cfg["niah"]["needle"]["kind"], "needle_variant": cfg["niah"]["needle"]["variant"],
-        "git_commit": env.git_commit(), "versions": env.versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": cfg["name"],
+        "config_hash": cfg["hash"],
+        "model": model_name,
+        "prompt_style": cell.style,
+        "length": cell.length,
+        "depth": cell.depth,
+        "trial": cell.trial,
+        "method": method,
+        "seed": cfg["seed"],
+        "needle_kind": cfg["niah"]["needle"]["kind"],
+        "needle_variant": cfg["niah"]["needle"]["variant"],
+        "git_commit": env.git_commit(),
+        "versions": env.versions(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
@@ -59,7 +69,9 @@ def too_long_reason(cfg, loaded, cell_tokens: int) -> str | None:
     limit = loaded.max_context
     if cell_tokens <= limit:
         return None
-    hint = "" if limit > loaded.native_context else " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
+    hint = (
+        "" if limit > loaded.native_context else " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
+    )
     return f"context of {cell_tokens} tokens (with question and answer) exceeds the model's limit of {limit} tokens.{hint}"
 
 
@@ -134,22 +146,29 @@ def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_metho
         order = [ref_name] + [m for m in todo_methods if m != ref_name]
         answers, rows = {}, []
         for name in order:
-            ans, stored, quantize_s = run_method(loaded.model, loaded.tokenizer, kv, methods[name], p.question_ids, p.answer_ids, n["max_new_tokens"])
+            ans, stored, quantize_s = run_method(
+                loaded.model, loaded.tokenizer, kv, methods[name], p.question_ids, p.answer_ids, n["max_new_tokens"]
+            )
             answers[name] = ans
             if name not in todo_methods:
                 continue
-            kl, top1 = compare_logits(answers[ref_name].answer_logsoftmax, ans.answer_logsoftmax)
-            values = kv_entries(kv)
-            rows.append({
-                **base_row(cfg, loaded.name, cell, name), "status": "ok", "reason": "",
-                "context_tokens": len(p.prefill_ids), "needle_position": p.needle_at / len(p.prefill_ids),
-                "expected": p.expected, "generated": ans.text, "score": string_match_all(ans.text, p.expected),
-                "answer_logprob": ans.answer_logprob, "answer_tokens": len(p.answer_ids), "kl_vs_ref": kl, "top1_vs_ref": top1,
-                "kv_bytes": stored["total"], "kv_bytes_packed": stored["packed"], "kv_bytes_residual": stored["residual"],
-                "bits_per_value": 8 * stored["total"] / values, "analytical_bits": methods[name].analytical_bits(loaded.head_dim),
-                "prefill_s": prefill_s, "shared_prefix_tokens": shared, "quantize_s": quantize_s,
-                "question_s": ans.question_s, "decode_s_per_token": ans.decode_s_per_token,
-            })
+            scored = answer_fields(
+                ans, p.expected, answers[ref_name].answer_logsoftmax, stored, kv_entries(kv), methods[name], loaded.head_dim
+            )
+            rows.append(
+                {
+                    **base_row(cfg, loaded.name, cell, name),
+                    "status": "ok",
+                    "reason": "",
+                    "context_tokens": len(p.prefill_ids),
+                    "needle_position": p.needle_at / len(p.prefill_ids),
+                    "answer_tokens": len(p.answer_ids),
+                    **scored,
+                    "prefill_s": prefill_s,
+                    "shared_prefix_tokens": shared,
+                    "quantize_s": quantize_s,
+                }
+            )
         return rows
     finally:
         if len(p.prefill_ids) > shared and base.is_croppable:

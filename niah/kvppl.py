@@ -55,14 +55,24 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
     s = kv_perplexity_settings(cfg)
     tokens = s["context"] + s["continuation"]
     if tokens > lm.max_context:
-        raise ConfigError(f"kv_perplexity: context + continuation = {tokens} tokens exceeds the model's limit of "
-                          f"{lm.max_context}; lower kv_perplexity.context or kv_perplexity.continuation")
+        raise ConfigError(
+            f"kv_perplexity: context + continuation = {tokens} tokens exceeds the model's limit of "
+            f"{lm.max_context}; lower kv_perplexity.context or kv_perplexity.continuation"
+        )
     methods = {m: get_method(m) for m in s["methods"]}
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
     table = open_table(cfg, "kv_perplexity", out_path)
-    base = {"config": cfg["name"], "config_hash": cfg["hash"], "model": lm.name, "seed": cfg["seed"],
-            "context": s["context"], "continuation": s["continuation"], "git_commit": env.git_commit(), "versions": env.versions()}
+    base = {
+        "config": cfg["name"],
+        "config_hash": cfg["hash"],
+        "model": lm.name,
+        "seed": cfg["seed"],
+        "context": s["context"],
+        "continuation": s["continuation"],
+        "git_commit": env.git_commit(),
+        "versions": env.versions(),
+    }
     todo = {w: [m for m in methods if table.key({**base, "method": m, "window": w}) not in table.done] for w in range(s["windows"])}
     if not any(todo.values()):
         return out_path
@@ -78,7 +88,7 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
         kv = context_states(prefill(lm.model, ids[: s["context"]], chunk=cfg["niah"]["prefill_chunk"]))
         ref_logsm = None
         for name in [ref] + [m for m in names if m != ref]:
-            row, logsm = _score(lm, kv, methods[name], ids[s["context"]:])
+            row, logsm = _score(lm, kv, methods[name], ids[s["context"] :])
             if name == ref:
                 ref_logsm = logsm
             row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
@@ -112,14 +122,26 @@ def perplexity_table(df: pd.DataFrame, ref: str = "fp16", bootstrap: int = BOOTS
     draws = np.random.default_rng(seed).integers(0, len(nll), size=(bootstrap, len(nll)))
     rows = []
     for method, part in ok.groupby("method", sort=False):
-        row = {"method": method, "windows": len(part), "scored_tokens": int(part["scored_tokens"].sum()),
-               "ppl": math.exp(part["nll_sum"].sum() / part["scored_tokens"].sum()), "ppl_vs_ref": float("nan"),
-               "ci_low": float("nan"), "ci_high": float("nan")}
+        row = {
+            "method": method,
+            "windows": len(part),
+            "scored_tokens": int(part["scored_tokens"].sum()),
+            "ppl": math.exp(part["nll_sum"].sum() / part["scored_tokens"].sum()),
+            "ppl_vs_ref": float("nan"),
+            "ci_low": float("nan"),
+            "ci_high": float("nan"),
+        }
         paired = nll[[method, ref]].notna().all(axis=1).to_numpy() if ref in nll else np.zeros(len(nll), bool)
         if paired.all():  # every window scored by both: bootstrap over windows
             row["ppl_vs_ref"] = math.exp(_log_ppl_ratio(nll, count, method, ref, np.arange(len(nll))))
             row["ci_low"], row["ci_high"] = np.exp(np.quantile(_log_ppl_ratio(nll, count, method, ref, draws), [0.025, 0.975]))
-        row.update({"kl_vs_ref": part["kl_vs_ref"].mean(), "top1_vs_ref": part["top1_vs_ref"].mean(), "bits_per_value": part["bits_per_value"].mean()})
+        row.update(
+            {
+                "kl_vs_ref": part["kl_vs_ref"].mean(),
+                "top1_vs_ref": part["top1_vs_ref"].mean(),
+                "bits_per_value": part["bits_per_value"].mean(),
+            }
+        )
         rows.append(row)
     return pd.DataFrame(rows).sort_values("bits_per_value", ascending=False).reset_index(drop=True)
 

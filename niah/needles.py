@@ -28,10 +28,7 @@ VALUE_KINDS = {
 NOUN = {"number": "special magic number", "uuid": "special magic uuid", "percent": "special magic percentage"}
 VARIANTS = ("single", "multi_key", "multi_value", "multi_query")
 
-INTRO = (
-    "Some {nouns} are hidden within the following text. Make sure to memorize them. "
-    "I will quiz you about them afterwards.\n"
-)
+INTRO = "Some {nouns} are hidden within the following text. Make sure to memorize them. I will quiz you about them afterwards.\n"
 NEEDLE = " One of the {noun}s for {key} is: {value}."
 QUESTION = "\nWhat {be} the {noun}{s} for {keys} mentioned in the provided text?"
 ANSWER_PREFIX = " The {noun}{s} for {keys} mentioned in the provided text {be}"
@@ -100,7 +97,10 @@ def insert_needles(
     """
     n_hay = budget - sum(len(n) for n in needle_ids)
     if n_hay <= 0:
-        raise ValueError(f"no room for haystack: {budget} tokens are left after the prompt's intro, and the needles alone take {budget - n_hay}; use a longer length")
+        raise ValueError(
+            f"no room for haystack: {budget} tokens are left after the prompt's intro, "
+            f"and the needles alone take {budget - n_hay}; use a longer length"
+        )
     body = TokenHaystack(hay.ids[:n_hay], [s for s in hay.starts if s < n_hay])
     spots = [body.nearest_start(d * n_hay) for d in [depth, *extra]]
     order = sorted(range(len(spots)), key=lambda i: (spots[i], i))

@@ -33,7 +33,6 @@ def load(cfg: dict, role: str = "needles"):
     return load_model(weight_model(cfg) if role == "weights" else cfg["model"], device=cfg["device"])
 
 
-
 def save_json(obj, path: Path) -> None:
     """Write JSON atomically (a kill never leaves half a file)."""
     tmp = Path(str(path) + ".partial")
@@ -53,10 +52,17 @@ def model_card(lm, cfg: dict) -> pd.DataFrame:
     layers, kv_heads = c.num_hidden_layers, getattr(c, "num_key_value_heads", c.num_attention_heads)
     per_token = 2 * layers * kv_heads * lm.head_dim * 2  # keys and values, fp16
     facts = {
-        "model": lm.name, "random weights": lm.is_random, "parameters": sum(p.numel() for p in lm.model.parameters()),
-        "decoder layers": layers, "query heads": c.num_attention_heads, "KV heads": kv_heads, "head dim": lm.head_dim,
-        "trained context (tokens)": lm.native_context, "allowed context (tokens)": lm.max_context,
-        "RoPE scaling": json.dumps(cfg["model"].get("rope_scaling")), "fp16 KV bytes per token": per_token,
+        "model": lm.name,
+        "random weights": lm.is_random,
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "decoder layers": layers,
+        "query heads": c.num_attention_heads,
+        "KV heads": kv_heads,
+        "head dim": lm.head_dim,
+        "trained context (tokens)": lm.native_context,
+        "allowed context (tokens)": lm.max_context,
+        "RoPE scaling": json.dumps(cfg["model"].get("rope_scaling")),
+        "fp16 KV bytes per token": per_token,
         "fp16 KV MiB at the longest length": round(per_token * max(cfg["niah"]["lengths"]) / 2**20, 1),
     }
     return pd.DataFrame({"value": facts})
@@ -96,8 +102,12 @@ def cold_warm(cfg: dict, run: RunDir) -> pd.DataFrame | str:
     if runs.get("settings_hash") != settings_hash(cfg, "sweep"):
         runs = {**cold_vs_warm(cfg, spec["target"], spec["warmup"], spec.get("repeats", 1)), "settings_hash": settings_hash(cfg, "sweep")}
         save_json(runs, run.cold_warm)
-    return pd.DataFrame({"cold_s": runs["cold_s"], "warm_s": runs["warm_s"]}).describe().loc[["count", "50%", "min", "max"]].assign(
-        reduction_of_medians=runs["reduction"], target=runs["target"], warmup=runs["warmup"])
+    return (
+        pd.DataFrame({"cold_s": runs["cold_s"], "warm_s": runs["warm_s"]})
+        .describe()
+        .loc[["count", "50%", "min", "max"]]
+        .assign(reduction_of_medians=runs["reduction"], target=runs["target"], warmup=runs["warmup"])
+    )
 
 
 def claims_ledger(cfg: dict, run: RunDir) -> pd.DataFrame:

@@ -26,7 +26,9 @@ def needle_heatmap(df: pd.DataFrame, method: str, ax=None, title: str | None = N
     ax = ax or plt.subplots(figsize=(1.1 * grid.shape[1] + 2.5, 0.5 * grid.shape[0] + 1.8))[1]
     kwargs = dict(vmin=-1, vmax=1, cmap="RdBu", center=0) if diff_from else dict(vmin=0, vmax=1, cmap="RdYlGn")
     labels = grid.map(lambda v: "" if pd.isna(v) else f"{v:.2f}") + n.map(lambda k: "" if pd.isna(k) else f"\nn={int(k)}")
-    sns.heatmap(grid, ax=ax, annot=labels, fmt="", linewidths=0.5, cbar_kws={"label": "accuracy" + (" difference" if diff_from else "")}, **kwargs)
+    sns.heatmap(
+        grid, ax=ax, annot=labels, fmt="", linewidths=0.5, cbar_kws={"label": "accuracy" + (" difference" if diff_from else "")}, **kwargs
+    )
     ax.set_yticklabels([f"{d:.0%}" for d in grid.index], rotation=0)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
@@ -95,7 +97,14 @@ def quality_vs_bits(summary: pd.DataFrame):
         for ax, col in zip(axes, ("accuracy", "kl_vs_ref")):
             ax.scatter(r["bits_per_value"], r[col], s=30)
             ax.annotate(r["method"], (r["bits_per_value"], r[col]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    axes[0].errorbar(summary["bits_per_value"], summary["accuracy"], yerr=[summary["accuracy"] - summary["ci_low"], summary["ci_high"] - summary["accuracy"]], fmt="none", ecolor="0.6", lw=0.8)
+    axes[0].errorbar(
+        summary["bits_per_value"],
+        summary["accuracy"],
+        yerr=[summary["accuracy"] - summary["ci_low"], summary["ci_high"] - summary["accuracy"]],
+        fmt="none",
+        ecolor="0.6",
+        lw=0.8,
+    )
     axes[0].set_ylim(-0.05, 1.05)
     axes[0].set_ylabel("needle accuracy (95% Wilson)")
     axes[1].set_yscale("symlog", linthresh=1e-4)

@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from .kv.cache import LayerState, PackedCache
 from .kv.layout import FULL, LINEAR, SLIDING, UnsupportedLayout
 from .kv.registry import KVMethod
+from .scoring import string_match_all
 
 
 @torch.no_grad()
@@ -122,6 +123,33 @@ def compare_logits(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float
     kl = (ref.exp() * (ref - other)).sum(-1).mean().item()
     top1 = (ref.argmax(-1) == other.argmax(-1)).float().mean().item()
     return max(kl, 0.0), top1
+
+
+def answer_fields(
+    ans: Answer, expected: list[str], ref_logsoftmax: torch.Tensor, nbytes: dict, values: int, method: KVMethod, head_dim: int
+) -> dict:
+    """The scored columns of a needle row: the greedy answer against ``expected``, the answer log-prob, KL and
+    top-1 agreement against the reference's answer-position log-softmax, and the stored bytes by layer type
+    (``nbytes``: :meth:`PackedCache.nbytes`; ``values``: K and V entries of the context, for bits per value)."""
+    kl, top1 = compare_logits(ref_logsoftmax, ans.answer_logsoftmax)
+    return {
+        "expected": expected,
+        "generated": ans.text,
+        "score": string_match_all(ans.text, expected),
+        "answer_logprob": ans.answer_logprob,
+        "kl_vs_ref": kl,
+        "top1_vs_ref": top1,
+        "kv_bytes": nbytes["total"],
+        "kv_bytes_packed": nbytes["packed"],
+        "kv_bytes_residual": nbytes["residual"],
+        "kv_bytes_full_attention": nbytes[FULL],
+        "kv_bytes_sliding_attention": nbytes[SLIDING],
+        "linear_state_bytes": nbytes["linear_state"],
+        "bits_per_value": 8 * nbytes["total"] / values,
+        "analytical_bits": method.analytical_bits(head_dim),
+        "question_s": ans.question_s,
+        "decode_s_per_token": ans.decode_s_per_token,
+    }
 
 
 def run_method(model, tokenizer, states, method: KVMethod, question_ids, answer_ids, max_new_tokens) -> tuple[Answer, dict, float]:

@@ -42,7 +42,9 @@ def find_browser() -> str:
         path = shutil.which(name)
         if path:
             return path
-    raise ReportCheckError(f"no headless browser found (looked for {', '.join(BROWSERS)}): install Debian's `chromium` (apt-get install chromium)")
+    raise ReportCheckError(
+        f"no headless browser found (looked for {', '.join(BROWSERS)}): install Debian's `chromium` (apt-get install chromium)"
+    )
 
 
 def _chromium(browser: str, *args: str, timeout: int = 120) -> str:

@@ -44,7 +44,8 @@ def read_rows(path: str | Path) -> list[dict]:
                 raise ResultsCorrupt(
                     f"{path} is damaged at line {i + 1} (not JSON); the {len(rows)} rows before it are intact. "
                     f"Run `python -m niah repair {path}` to keep them and move line {i + 1} onwards aside; "
-                    "the run then redoes the rows that were moved.") from None
+                    "the run then redoes the rows that were moved."
+                ) from None
     return rows
 
 
@@ -80,8 +81,10 @@ def current_rows(rows: list[dict], key_fields: tuple[str, ...], settings_hash: s
     if settings_hash is not None:
         stale = [r for r in rows if r.get("settings_hash") != settings_hash]
         if stale:
-            notes.append(f"{len(stale)} rows from other settings (an edited config, or an older version of this code) "
-                         "are kept in the file but left out of the tables")
+            notes.append(
+                f"{len(stale)} rows from other settings (an edited config, or an older version of this code) "
+                "are kept in the file but left out of the tables"
+            )
         rows = [r for r in rows if r.get("settings_hash") == settings_hash]
     by_key: dict[tuple, dict] = {}
     duplicates = 0
@@ -154,9 +157,13 @@ class ResultsTable:
         bad = [f for f in self.nan_free if isinstance(row.get(f), float) and math.isnan(row[f])]
         if not bad:
             return row
-        return {**row, "status": "error", "reason": (
-            f"{', '.join(bad)} is NaN: the model computed NaN values here (damaged weights, or an overflow), so the row "
-            "is not scored")}
+        return {
+            **row,
+            "status": "error",
+            "reason": (
+                f"{', '.join(bad)} is NaN: the model computed NaN values here (damaged weights, or an overflow), so the row is not scored"
+            ),
+        }
 
     def append(self, row: dict) -> None:
         """Write one row (skipped if its key is already done)."""

@@ -33,23 +33,39 @@ class TableKind:
 
 TABLES = {
     "needles": TableKind(
-        "niah_results.jsonl", NEEDLE_KEY, (*COMMON, "niah", "battery"),
+        "niah_results.jsonl",
+        NEEDLE_KEY,
+        (*COMMON, "niah", "battery"),
         ("niah.methods", "niah.lengths", "niah.depths", "niah.trials", "niah.prompt_styles", "battery.methods"),
-        ("answer_logprob", "kl_vs_ref")),
+        ("answer_logprob", "kl_vs_ref"),
+    ),
     "sweep": TableKind(
-        "sweep_results.jsonl", ("config", "model", "method", "length"),
-        (*COMMON, "threads", "sweep", "niah.reference", "niah.prefill_chunk", "niah.needle"), ("sweep.methods", "sweep.lengths")),
+        "sweep_results.jsonl",
+        ("config", "model", "method", "length"),
+        (*COMMON, "threads", "sweep", "niah.reference", "niah.prefill_chunk", "niah.needle"),
+        ("sweep.methods", "sweep.lengths"),
+    ),
     "kv_perplexity": TableKind(
-        "kv_perplexity.jsonl", ("config", "model", "method", "window"),
+        "kv_perplexity.jsonl",
+        ("config", "model", "method", "window"),
         (*COMMON, "kv_perplexity", "niah.reference", "niah.prefill_chunk", "weightquant.calibration_share"),
-        ("kv_perplexity.methods",), ("nll_sum", "kl_vs_ref")),
+        ("kv_perplexity.methods",),
+        ("nll_sum", "kl_vs_ref"),
+    ),
     "weightquant": TableKind(
-        "weightquant_results.jsonl", ("config", "model", "scheme"), (*COMMON, "weight_model", "weightquant"),
-        ("weightquant.kv_methods",), ("ppl",)),
+        "weightquant_results.jsonl",
+        ("config", "model", "scheme"),
+        (*COMMON, "weight_model", "weightquant"),
+        ("weightquant.kv_methods",),
+        ("ppl",),
+    ),
     "weightquant_needles": TableKind(
-        "weightquant_niah.jsonl", ("config", "model", "weights", "prompt_style", "length", "depth", "trial", "method"),
+        "weightquant_niah.jsonl",
+        ("config", "model", "weights", "prompt_style", "length", "depth", "trial", "method"),
         (*COMMON, "weight_model", "weightquant", "niah.needle", "niah.max_new_tokens", "niah.prefill_chunk"),
-        ("weightquant.kv_methods",), ("answer_logprob",)),
+        ("weightquant.kv_methods",),
+        ("answer_logprob",),
+    ),
 }
 
 

@@ -85,8 +85,20 @@ def paired_table(df, ref: str = "fp16", by: tuple[str, ...] = ("length",), seed:
             test = mcnemar_exact(ref_correct, correct)
             d, dlo, dhi = paired_bootstrap(mine["answer_logprob"].to_numpy() - theirs["answer_logprob"].to_numpy(), seed)
             group = group if isinstance(group, tuple) else (group,)
-            rows.append({"method": method, **dict(zip(by, group)), "n": len(correct), "accuracy": correct.mean(),
-                         "ci_low": lo, "ci_high": hi, "ref_accuracy": ref_correct.mean(), **test,
-                         "logprob_diff": d, "logprob_low": dlo, "logprob_high": dhi,
-                         "min_detectable_drop": min_detectable_drop(len(correct))})
+            rows.append(
+                {
+                    "method": method,
+                    **dict(zip(by, group)),
+                    "n": len(correct),
+                    "accuracy": correct.mean(),
+                    "ci_low": lo,
+                    "ci_high": hi,
+                    "ref_accuracy": ref_correct.mean(),
+                    **test,
+                    "logprob_diff": d,
+                    "logprob_low": dlo,
+                    "logprob_high": dhi,
+                    "min_detectable_drop": min_detectable_drop(len(correct)),
+                }
+            )
     return pd.DataFrame(rows)

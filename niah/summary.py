@@ -32,13 +32,21 @@ def _needle_rows(run: RunDir) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _header(run: RunDir, ok: pd.DataFrame) -> str:
     env = json.loads((run.path / "environment.json").read_text()) if (run.path / "environment.json").exists() else {}
-    machine = (f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB"
-               + (f", {', '.join(g.get('name', 'GPU') for g in env['gpus'])}" if env.get("gpus") else ", no GPU")) if env else "not recorded"
+    machine = (
+        (
+            f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB"
+            + (f", {', '.join(g.get('name', 'GPU') for g in env['gpus'])}" if env.get("gpus") else ", no GPU")
+        )
+        if env
+        else "not recorded"
+    )
     timing = json.loads(run.timing.read_text()) if run.timing.exists() else {}
     per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in timing.items() if k != "total")
     wall = f"{timing['total'] / 60:.1f} min of notebooks ({per_nb})" if timing else "not recorded (no timing.json)"
-    return (f"Config `{run.cfg['name']}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
-            f"last row {ok['time'].max()}; machine: {machine}; chain wall time: {wall}.")
+    return (
+        f"Config `{run.cfg['name']}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
+        f"last row {ok['time'].max()}; machine: {machine}; chain wall time: {wall}."
+    )
 
 
 def _paired(ok: pd.DataFrame, ref: str) -> pd.DataFrame:
@@ -46,14 +54,21 @@ def _paired(ok: pd.DataFrame, ref: str) -> pd.DataFrame:
 
     t = paired_table(ok, ref)
     t = t[t["method"] != ref]
-    return pd.DataFrame({
-        "method": t["method"], "length": t["length"], "n": t["n"],
-        "accuracy": [f"{a:.2f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(t["accuracy"], t["ci_low"], t["ci_high"])],
-        "fp16": t["ref_accuracy"].round(2), "losses/gains": [f"{a}/{b}" for a, b in zip(t["losses"], t["gains"])],
-        "McNemar p": t["p"].map(lambda p: f"{p:.3g}"),
-        "log-prob diff [95%]": [f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for d, lo, hi in zip(t["logprob_diff"], t["logprob_low"], t["logprob_high"])],
-        "min detectable drop": t["min_detectable_drop"].round(2),
-    })
+    return pd.DataFrame(
+        {
+            "method": t["method"],
+            "length": t["length"],
+            "n": t["n"],
+            "accuracy": [f"{a:.2f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(t["accuracy"], t["ci_low"], t["ci_high"])],
+            "fp16": t["ref_accuracy"].round(2),
+            "losses/gains": [f"{a}/{b}" for a, b in zip(t["losses"], t["gains"])],
+            "McNemar p": t["p"].map(lambda p: f"{p:.3g}"),
+            "log-prob diff [95%]": [
+                f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for d, lo, hi in zip(t["logprob_diff"], t["logprob_low"], t["logprob_high"])
+            ],
+            "min detectable drop": t["min_detectable_drop"].round(2),
+        }
+    )
 
 
 def _ledger_counts(run: RunDir) -> str:
@@ -82,7 +97,10 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
     ]
     sweep = run.rows("sweep")
     if len(sweep) and (sweep["status"] == "ok").any():
-        parts += ["\n**Pressure sweep** (ratios to the fp16 cache in the same run):\n", at_lengths(sweep, ref=ref).round(3).to_markdown(index=False)]
+        parts += [
+            "\n**Pressure sweep** (ratios to the fp16 cache in the same run):\n",
+            at_lengths(sweep, ref=ref).round(3).to_markdown(index=False),
+        ]
     parts += [f"\n**Claims ledger**: {_ledger_counts(run)} (of the claims in `claims/claims.yaml`; the report has each verdict)."]
     return "\n".join(parts) + "\n"
 

@@ -94,15 +94,20 @@ def _paired_tpot(lm, kv, methods: dict, first: dict[str, int], steps: int, ref: 
     tokens, times, names = dict(first), {n: [] for n in methods}, list(methods)
     with fused_decoding(lm.model):
         for r in range(steps):
-            for n in names[r % len(names):] + names[: r % len(names)]:
+            for n in names[r % len(names) :] + names[: r % len(names)]:
                 tokens[n], seconds = _decode_step(lm.model, caches[n], tokens[n])
                 times[n].append(seconds)
     out = {}
     for n, ts in times.items():
         ratios = np.array([t / t_ref for t, t_ref in zip(ts, times[ref])])
         low, high = _median_interval(ratios)
-        out[n] = {"tpot_median_s": statistics.median(ts), "tpot_p90_s": _percentile(ts, 0.9),
-                  "tpot_vs_ref": float(np.median(ratios)), "tpot_vs_ref_low": low, "tpot_vs_ref_high": high}
+        out[n] = {
+            "tpot_median_s": statistics.median(ts),
+            "tpot_p90_s": _percentile(ts, 0.9),
+            "tpot_vs_ref": float(np.median(ratios)),
+            "tpot_vs_ref_low": low,
+            "tpot_vs_ref_high": high,
+        }
     return out
 
 
@@ -123,7 +128,14 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     table = open_table(cfg, "sweep", out_path)
     methods = {m: get_method(m) for m in s["methods"]}
     ref = cfg["niah"]["reference"]
-    base = {"config": cfg["name"], "config_hash": cfg["hash"], "model": lm.name, "seed": cfg["seed"], "git_commit": env.git_commit(), "versions": env.versions()}
+    base = {
+        "config": cfg["name"],
+        "config_hash": cfg["hash"],
+        "model": lm.name,
+        "seed": cfg["seed"],
+        "git_commit": env.git_commit(),
+        "versions": env.versions(),
+    }
 
     def missing(length):
         return [m for m in methods if table.key({**base, "method": m, "length": length}) not in table.done]
@@ -150,7 +162,15 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
         fp32_bytes = 4 * sum(layout.kv_values(L).values())  # sliding layers keep only their window
         if budget is not None and fp32_bytes > budget * 2**30:
             for m in todo:
-                table.append({**base, "method": m, "length": L, "status": "oom", "reason": f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB"})
+                table.append(
+                    {
+                        **base,
+                        "method": m,
+                        "length": L,
+                        "status": "oom",
+                        "reason": f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB",
+                    }
+                )
             bar.update(len(todo))
             continue
         try:
@@ -187,7 +207,10 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
         try:
             paired = _paired_tpot(lm, kv, {n: methods[n] for n in rows}, firsts, s["decode_steps"], ref) if ref in rows else {}
         except (torch.OutOfMemoryError, MemoryError) as err:
-            rows = {n: {**row, "status": "oom", "reason": f"paired decode of {len(rows)} caches at once: {str(err)[:250]}"} for n, row in rows.items()}
+            rows = {
+                n: {**row, "status": "oom", "reason": f"paired decode of {len(rows)} caches at once: {str(err)[:250]}"}
+                for n, row in rows.items()
+            }
             paired = {}
         for name in [n for n in rows if n in todo]:
             table.append({**rows[name], **paired.get(name, {})})
@@ -215,14 +238,22 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
         sampler.stop()
     values = kv_entries(kv)
     return {
-        "status": "ok", "reason": "", "_answer": answer, "_first": first, "probe": probe,
-        "kv_bytes": nbytes["total"], "kv_bytes_packed": nbytes["packed"], "kv_bytes_residual": nbytes["residual"],
+        "status": "ok",
+        "reason": "",
+        "_answer": answer,
+        "_first": first,
+        "probe": probe,
+        "kv_bytes": nbytes["total"],
+        "kv_bytes_packed": nbytes["packed"],
+        "kv_bytes_residual": nbytes["residual"],
         "kv_bytes_analytical": method.analytical_bits(lm.head_dim) * values / 8,
         "bits_per_value": 8 * nbytes["total"] / values,
-        "quantize_s": quantize_s, "decode_steps": s["decode_steps"],
+        "quantize_s": quantize_s,
+        "decode_steps": s["decode_steps"],
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else sampler.peak,
         "memory_source": "cuda max_memory_allocated" if cuda else "process RSS",
-        "trace_t": [round(t, 4) for t in sampler.times], "trace_bytes": sampler.values,
+        "trace_t": [round(t, 4) for t in sampler.times],
+        "trace_bytes": sampler.values,
         "generated": lm.tokenizer.decode(tokens, skip_special_tokens=True),
     }
 
@@ -260,10 +291,15 @@ def cold_vs_warm(cfg: dict, target: int, warmup: int, repeats: int = 1) -> dict:
     runs = {"target": target, "warmup": warmup, "cold_s": [], "warm_s": []}
     for _ in range(repeats):
         for label, w in (("cold", 0), ("warm", warmup)):
-            code = f"import json, sys; from niah.sweep import first_request_ttft; print(json.dumps(first_request_ttft(json.load(sys.stdin), {target}, {w})))"
+            code = (
+                "import json, sys; from niah.sweep import first_request_ttft; "
+                f"print(json.dumps(first_request_ttft(json.load(sys.stdin), {target}, {w})))"
+            )
             proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), capture_output=True, text=True, cwd=env.ROOT)
             if proc.returncode:
-                raise RuntimeError(f"the {label} TTFT probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+                raise RuntimeError(
+                    f"the {label} TTFT probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+                )
             runs[f"{label}_s"].append(json.loads(proc.stdout.strip().splitlines()[-1])["ttft_s"])
     runs["reduction"] = 1 - statistics.median(runs["warm_s"]) / statistics.median(runs["cold_s"])
     return runs

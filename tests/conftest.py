@@ -63,16 +63,47 @@ def smoke_with(smoke_cfg):
 
 # Tiny random hybrids: Gemma 3's sliding-window layers (window 16) and Qwen3.5-MoE's linear-attention layers,
 # each with one full-attention layer, the byte tokenizer's vocabulary.
-_TINY = {"vocab_size": 258, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
-         "head_dim": 32, "max_position_embeddings": 2048, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 0}
+_TINY = {
+    "vocab_size": 258,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 0,
+}
 HYBRID_SPECS = {
-    "gemma3": {"source": "random", "architecture": "gemma3_text", "seed": 0, "config": {
-        **_TINY, "intermediate_size": 128, "sliding_window": 16,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}},
-    "qwen3_5_moe": {"source": "random", "architecture": "qwen3_5_moe_text", "seed": 0, "config": {
-        **_TINY, "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16}},
+    "gemma3": {
+        "source": "random",
+        "architecture": "gemma3_text",
+        "seed": 0,
+        "config": {
+            **_TINY,
+            "intermediate_size": 128,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        },
+    },
+    "qwen3_5_moe": {
+        "source": "random",
+        "architecture": "qwen3_5_moe_text",
+        "seed": 0,
+        "config": {
+            **_TINY,
+            "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+    },
 }
 
 

@@ -11,8 +11,20 @@ from niah.kv.cache import PackedCache, PackedLayer, fused_decoding
 from niah.kv.registry import get_method
 from niah.protocol import context_states, prefill
 
-FUSED = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2", "sliding_window_asym3", "turbo2", "turbo3", "turbo4",
-         "turbo2.5", "turbo3_prod"]  # read by the row kernels
+FUSED = [
+    "q8_0",
+    "q4_0",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp4_e2m1",
+    "kivi2",
+    "sliding_window_asym3",
+    "turbo2",
+    "turbo3",
+    "turbo4",
+    "turbo2.5",
+    "turbo3_prod",
+]  # read by the row kernels
 PLAIN = ["fp16", "bf16"]  # chunk by chunk, dequantized
 
 
@@ -45,6 +57,7 @@ def test_a_compile_failure_runs_the_kernel_eagerly_with_one_warning(monkeypatch)
     def broken(fn):
         def run(*args):
             raise RuntimeError("no C++ compiler")
+
         return run
 
     monkeypatch.setattr(attend, "_compiled", broken)
@@ -53,7 +66,9 @@ def test_a_compile_failure_runs_the_kernel_eagerly_with_one_warning(monkeypatch)
         warnings.simplefilter("always")
         assert torch.equal(attend.fused(torch.square, x), x * x)
         assert torch.equal(attend.fused(torch.square, x), x * x)  # no second compile attempt, no second warning
-    assert [str(w.message) for w in caught] == ["torch.compile failed (RuntimeError: no C++ compiler); fused KV kernels run eagerly (slower)"]
+    assert [str(w.message) for w in caught] == [
+        "torch.compile failed (RuntimeError: no C++ compiler); fused KV kernels run eagerly (slower)"
+    ]
 
 
 def test_a_bug_in_a_kernel_is_raised_not_hidden_by_the_fallback(monkeypatch):

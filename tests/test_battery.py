@@ -24,7 +24,7 @@ def test_a_nested_context_holds_every_lengths_needles_inside_its_prefix(tiny):
     assert len({q.key for q in questions}) == 9
     for q in questions:
         needle = tiny.tokenizer.encode(f" One of the special magic numbers for {q.key} is: {q.value}.", add_special_tokens=False)
-        assert ids[q.position:q.position + len(needle)] == needle
+        assert ids[q.position : q.position + len(needle)] == needle
         assert q.position + len(needle) <= q.length, "a needle must lie wholly inside its length's prefix"
         assert not any(q.position < b < q.position + len(needle) for b in lengths), "no prefix ends inside a needle"
         assert q.context == 3
@@ -32,7 +32,9 @@ def test_a_nested_context_holds_every_lengths_needles_inside_its_prefix(tiny):
         depths = [q.depth for q in questions if q.length == L]
         assert depths == pytest.approx([0, 0.5, 1])
         positions = [q.position for q in questions if q.length == L]
-        assert positions == sorted(positions) and positions[-1] >= L // 2  # the deepest at the last sentence start that still fits (byte tokens: long sentences)
+        assert (
+            positions == sorted(positions) and positions[-1] >= L // 2
+        )  # the deepest at the last sentence start that still fits (byte tokens: long sentences)
 
 
 def _battery_cfg(smoke_with, **settings):

@@ -30,5 +30,9 @@ def test_decode_attention_reports_both_paths_per_method():
 
 def test_codec_throughput_has_a_row_per_method_and_the_turbo_floors():
     df = bench.codec_throughput(["q4_0"], tokens=64, repeat=1)
-    assert list(df["method"]) == ["q4_0", "rotation matmul alone (TurboQuant's floor)", "rotation and QJL matmuls (TurboQuant_prod's floor)"]
+    assert list(df["method"]) == [
+        "q4_0",
+        "rotation matmul alone (TurboQuant's floor)",
+        "rotation and QJL matmuls (TurboQuant_prod's floor)",
+    ]
     assert (df["quantize_vs_copy"] > 0).all()

@@ -18,9 +18,22 @@ def _niah(n=100, **methods):
     rows = []
     for name, (acc, bits, kl, lp) in methods.items():
         for i in range(n):
-            rows.append({"method": name, "status": "ok", "prompt_style": "plain", "length": (4096, 8192)[i % 2], "depth": i // 2, "trial": 0,
-                         "score": float(i < acc * n), "bits_per_value": bits, "kl_vs_ref": kl[i] if isinstance(kl, list) else kl,
-                         "top1_vs_ref": 1.0, "answer_logprob": lp, "needle_kind": "number"})
+            rows.append(
+                {
+                    "method": name,
+                    "status": "ok",
+                    "prompt_style": "plain",
+                    "length": (4096, 8192)[i % 2],
+                    "depth": i // 2,
+                    "trial": 0,
+                    "score": float(i < acc * n),
+                    "bits_per_value": bits,
+                    "kl_vs_ref": kl[i] if isinstance(kl, list) else kl,
+                    "top1_vs_ref": 1.0,
+                    "answer_logprob": lp,
+                    "needle_kind": "number",
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -31,9 +44,22 @@ def _sweep(bytes_per_token: dict, tpot: dict, ttft_extra: dict, power: float = 1
         for L in (1, 1024, 4096, 8192, 16384):
             ratio = tpot[m] / tpot["fp16"]
             spread = {} if tpot_spread is None else {"tpot_vs_ref_low": ratio - tpot_spread, "tpot_vs_ref_high": ratio + tpot_spread}
-            rows.append({"method": m, "length": L, "status": "ok", "kv_bytes": bpt * L**power, "ttft_s": 1e-4 * L + ttft_extra[m],
-                         "tpot_median_s": tpot[m], "tpot_vs_ref": ratio, **spread, "decode_steps": 32, "trace_t": [], "trace_bytes": [],
-                         "memory_source": "process RSS"})
+            rows.append(
+                {
+                    "method": m,
+                    "length": L,
+                    "status": "ok",
+                    "kv_bytes": bpt * L**power,
+                    "ttft_s": 1e-4 * L + ttft_extra[m],
+                    "tpot_median_s": tpot[m],
+                    "tpot_vs_ref": ratio,
+                    **spread,
+                    "decode_steps": 32,
+                    "trace_t": [],
+                    "trace_bytes": [],
+                    "memory_source": "process RSS",
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -69,8 +95,11 @@ def test_without_measurements_nothing_is_decided_but_arithmetic():
 @pytest.mark.parametrize(
     "cid, good, bad",
     [
-        ("S0-7", _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 1e-3, -1), q4_0=(0.3, 4.5, 0.5, -5)),
-         _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 1e-3, -1), q4_0=(1, 4.5, 0.01, -1))),
+        (
+            "S0-7",
+            _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 1e-3, -1), q4_0=(0.3, 4.5, 0.5, -5)),
+            _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 1e-3, -1), q4_0=(1, 4.5, 0.01, -1)),
+        ),
         ("S0-14", _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0.01, -1)), _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0.2, -1))),
         ("S1-1", _niah(turbo3=(1, 2.0, 0, -1)), _niah(turbo3=(1, 3.2, 0, -1))),
         ("S0-3", _niah(q8_0=(1, 3.7, 0, -1)), _niah(q8_0=(1, 8.5, 0, -1))),
@@ -98,7 +127,10 @@ def test_ttft_spread_is_inconclusive_while_each_ttft_is_measured_once():
 
 def test_tpot_verdict_needs_an_interval_over_rounds():
     def tpot(q8, spread):
-        return row("S0-13", Evidence("x", sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": q8}, {"fp16": 0, "q8_0": 0}, tpot_spread=spread)))
+        return row(
+            "S0-13",
+            Evidence("x", sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": q8}, {"fp16": 0, "q8_0": 0}, tpot_spread=spread)),
+        )
 
     assert tpot(0.78, 0.03)["verdict"] == "supported"
     assert tpot(0.95, 0.03)["verdict"] == "refuted"
@@ -113,8 +145,19 @@ def _traces(periodic: int, flat: int) -> pd.DataFrame:
     """Sweep rows with memory traces: ``periodic`` oscillating with a 237 ms period, ``flat`` constant."""
     t = np.arange(0, 3, 0.02)
     wave = list(1e9 + 1e8 * np.sin(2 * np.pi * t / 0.237))
-    return pd.DataFrame([{"method": "fp16", "length": 1024 * i, "status": "ok", "trace_t": list(t), "trace_bytes": wave if i < periodic else [1e9] * len(t),
-                          "memory_source": "process RSS"} for i in range(periodic + flat)])
+    return pd.DataFrame(
+        [
+            {
+                "method": "fp16",
+                "length": 1024 * i,
+                "status": "ok",
+                "trace_t": list(t),
+                "trace_bytes": wave if i < periodic else [1e9] * len(t),
+                "memory_source": "process RSS",
+            }
+            for i in range(periodic + flat)
+        ]
+    )
 
 
 def test_breathing_verdict_needs_most_traces_periodic_beyond_chance():
@@ -132,8 +175,18 @@ def _kv_ppl(**ratios):
     for m, ratio in {"fp16": 1.0, **ratios}.items():
         per_window = ratio if isinstance(ratio, list) else [ratio] * windows
         for w, r in enumerate(per_window):
-            rows.append({"method": m, "window": w, "status": "ok", "nll_sum": 200.0 + w + 100 * math.log(r), "scored_tokens": 100,
-                         "kl_vs_ref": 0.0, "top1_vs_ref": 1.0, "bits_per_value": 8.0})
+            rows.append(
+                {
+                    "method": m,
+                    "window": w,
+                    "status": "ok",
+                    "nll_sum": 200.0 + w + 100 * math.log(r),
+                    "scored_tokens": 100,
+                    "kl_vs_ref": 0.0,
+                    "top1_vs_ref": 1.0,
+                    "bits_per_value": 8.0,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -162,8 +215,20 @@ def test_accuracy_drop_interval_matches_newcombes_square_and_add():
     7 only the other method, 12 neither; Newcombe's square-and-add interval as their contingencytables R package
     computes it is [-0.5069, -0.0256]."""
     cells = [(1, 1)] + [(1, 0)] + [(0, 1)] * 7 + [(0, 0)] * 12
-    rows = [{"method": m, "status": "ok", "prompt_style": "plain", "length": 1, "depth": i, "trial": 0, "score": float(s), "answer_logprob": 0.0}
-            for i, pair in enumerate(cells) for m, s in zip(("fp16", "x"), pair)]
+    rows = [
+        {
+            "method": m,
+            "status": "ok",
+            "prompt_style": "plain",
+            "length": 1,
+            "depth": i,
+            "trial": 0,
+            "score": float(s),
+            "answer_logprob": 0.0,
+        }
+        for i, pair in enumerate(cells)
+        for m, s in zip(("fp16", "x"), pair)
+    ]
     d = claims._drops(Evidence("x", niah=pd.DataFrame(rows)), "x")["x"]
     assert (d["drop"], d["drop_low"], d["drop_high"]) == pytest.approx((-6 / 21, -0.5069, -0.0256), abs=1e-4)
 
@@ -186,10 +251,14 @@ def test_turbo3_needle_loss_verdict_needs_enough_questions():
 
     assert s1_5(100, 0.5)["verdict"] == "refuted"
     assert s1_5(100, 1)["verdict"] == "inconclusive (code completion not measured; no needle loss: supported)"
-    assert s1_5(5, 0.6)["verdict"].startswith("inconclusive (code completion not measured; no needle loss: inconclusive (n=5, accuracy drop 0.40 [")
+    assert s1_5(5, 0.6)["verdict"].startswith(
+        "inconclusive (code completion not measured; no needle loss: inconclusive (n=5, accuracy drop 0.40 ["
+    )
     # 5 of 6 lost and none gained: the interval lies above 0.1, but McNemar's p = 0.0625 does not show a drop
     few = s1_5(6, 1 / 6)
-    assert few["verdict"].startswith("inconclusive (code completion not measured; no needle loss: inconclusive (n=6, accuracy drop 0.83 [0.28, ")
+    assert few["verdict"].startswith(
+        "inconclusive (code completion not measured; no needle loss: inconclusive (n=6, accuracy drop 0.83 [0.28, "
+    )
 
 
 def test_kl_verdicts_need_their_interval():
@@ -197,8 +266,14 @@ def test_kl_verdicts_need_their_interval():
     r = row("S0-14", Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, spread, -1))))
     assert r["verdict"].startswith("inconclusive (n=5, mean KL 0.050 [") and "over 5 questions" in r["measured"]
     assert verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, spread * 10, -1)))) == "inconclusive"
-    assert verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k / 10 for k in spread] * 10, -1)))) == "supported"
-    assert verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k + 0.1 for k in spread] * 10, -1)))) == "refuted"
+    assert (
+        verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k / 10 for k in spread] * 10, -1))))
+        == "supported"
+    )
+    assert (
+        verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k + 0.1 for k in spread] * 10, -1))))
+        == "refuted"
+    )
     e4, e5 = [0.01, 0.03, 0.02, 0.05, 0.01], [0.02, 0.01, 0.04, 0.02, 0.03]
     fp8 = lambda a, b: Evidence("x", niah=_niah(n=len(a), fp8_e4m3=(1, 8, a, -1), fp8_e5m2=(1, 8, b, -1)))  # noqa: E731
     assert verdict("S3-9", fp8(e4, e5)) == "inconclusive"
@@ -220,7 +295,9 @@ def test_warm_up_verdict_needs_repeated_runs_at_16k():
     assert cw(cold, cold)["verdict"] == "refuted"
     assert cw(cold, [0.4 * c for c in cold])["verdict"] == "refuted"
     wide = cw([10.0, 13.0, 8.0], [8.0, 6.0, 10.4])  # the medians give the claimed 20%, three noisy runs do not
-    assert wide["verdict"].startswith("inconclusive (n=3 cold and 3 warm runs, reduction 0.20 [") and "bootstrap interval" in wide["measured"]
+    assert (
+        wide["verdict"].startswith("inconclusive (n=3 cold and 3 warm runs, reduction 0.20 [") and "bootstrap interval" in wide["measured"]
+    )
     assert cw(cold, [0.78 * c for c in cold], target=8192)["verdict"] == "inconclusive (measured at 8192, the claim is about 16384)"
     old = {"cold": {"ttft_s": 10.0, "target": 16384}, "warm": {"ttft_s": 7.8, "warmup": 4096}, "reduction": 0.22}
     r = row("S0-15", Evidence("x", cold_warm=old))
@@ -228,8 +305,12 @@ def test_warm_up_verdict_needs_repeated_runs_at_16k():
 
 
 def test_verdict_words_are_the_documented_ones():
-    ev = Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0, -1), q4_0=(0.4, 4.5, 0, -1), turbo3=(0.8, 3.1, 0, -1)),
-                  sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": 0.7}, {"fp16": 0, "q8_0": 0}), kv_ppl=_kv_ppl(int8_token=1.0))
+    ev = Evidence(
+        "x",
+        niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0, -1), q4_0=(0.4, 4.5, 0, -1), turbo3=(0.8, 3.1, 0, -1)),
+        sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": 0.7}, {"fp16": 0, "q8_0": 0}),
+        kv_ppl=_kv_ppl(int8_token=1.0),
+    )
     words = {v.split(" ")[0] for v in ledger(ev)["verdict"]}
     assert words <= {"supported", "refuted", "partly", "inconclusive", "untestable"} and "inconclusive" in words
 
@@ -261,8 +342,19 @@ def test_a_broken_evaluator_is_reported_not_raised():
 
 def _wq(deltas: dict) -> Evidence:
     """Evidence with weight-quantization rows ``{scheme: ppl_delta}`` (plus the fields some claims read)."""
-    rows = [{"scheme": s, "status": "ok", "ppl_delta": d, "model": "m", "kurtosis_fp32": 5.0, "kurtosis_max_layer": 9.0,
-             "zero_share": 0.0, "zero_by": None} for s, d in deltas.items()]
+    rows = [
+        {
+            "scheme": s,
+            "status": "ok",
+            "ppl_delta": d,
+            "model": "m",
+            "kurtosis_fp32": 5.0,
+            "kurtosis_max_layer": 9.0,
+            "zero_share": 0.0,
+            "zero_by": None,
+        }
+        for s, d in deltas.items()
+    ]
     return Evidence("x", weightquant=pd.DataFrame(rows))
 
 
@@ -278,14 +370,29 @@ def test_weight_quantization_verdicts_follow_the_measurements():
 
 def test_masks_and_autoround_capability_verdicts_follow_the_measurements():
     def masks(act, mag):
-        df = pd.DataFrame([{"scheme": f"mask {z}", "status": "ok", "ppl_delta": d, "zero_share": 0.3, "zero_by": z} for z, d in (("activation", act), ("magnitude", mag))])
+        df = pd.DataFrame(
+            [
+                {"scheme": f"mask {z}", "status": "ok", "ppl_delta": d, "zero_share": 0.3, "zero_by": z}
+                for z, d in (("activation", act), ("magnitude", mag))
+            ]
+        )
         return Evidence("x", weightquant=df)
 
     assert verdict("S3-4", masks(1.4, 5.6)) != verdict("S3-4", masks(9.0, 5.6))
 
     def check(real):
-        df = pd.DataFrame([{"scheme": "auto-round W4A8 check", "status": "ok", "auto_round_version": "0", "presets_w4a8": [],
-                            "custom_w4a8_accepted": True, "real_w4a8_export": real}])
+        df = pd.DataFrame(
+            [
+                {
+                    "scheme": "auto-round W4A8 check",
+                    "status": "ok",
+                    "auto_round_version": "0",
+                    "presets_w4a8": [],
+                    "custom_w4a8_accepted": True,
+                    "real_w4a8_export": real,
+                }
+            ]
+        )
         return Evidence("x", weightquant=df)
 
     assert verdict("S3-10", check(True)) != verdict("S3-10", check(False))

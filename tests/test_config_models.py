@@ -70,10 +70,21 @@ def test_a_shipped_model_without_sha256_is_refused():
 
 
 def test_random_model_with_rope_scaling_reports_both_limits():
-    lm = load_model({"source": "random", "config": {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1,
-                                                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 258,
-                                                     "max_position_embeddings": 512},
-                     "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    lm = load_model(
+        {
+            "source": "random",
+            "config": {
+                "hidden_size": 64,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": 258,
+                "max_position_embeddings": 512,
+            },
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+        }
+    )
     assert (lm.native_context, lm.max_context) == (512, 1024)
     assert lm.model.config.rope_parameters["rope_type"] == "yarn"
 

@@ -62,7 +62,6 @@ def test_unsupported_head_dim_names_the_method_and_the_choices():
         get_method("q8_0").check_head_dim(48)
 
 
-
 @pytest.mark.parametrize("method", ["q8_0", "q4_0", "turbo3", "turbo3_prod", "fp8_e5m2", "turbo2.5"])
 @pytest.mark.parametrize("keep", [True, False])
 def test_decode_steps_merge_chunks_without_changing_what_is_read(method, keep):

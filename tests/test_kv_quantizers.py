@@ -9,8 +9,19 @@ from niah.kv import rowkernels
 from niah.kv.packing import pack_bits, pack_planes, unpack_bits, unpack_planes
 from niah.kv.registry import get_method
 
-METHODS = ["int8_token", "q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2_key", "kivi2_value", "kivi4_key", "kivi4_value",
-           "sliding_window_asym3"]
+METHODS = [
+    "int8_token",
+    "q8_0",
+    "q4_0",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp4_e2m1",
+    "kivi2_key",
+    "kivi2_value",
+    "kivi4_key",
+    "kivi4_value",
+    "sliding_window_asym3",
+]
 FP16_REL = 2.0**-11  # fp16 rounding, relative
 FP16_ABS = 2.0**-25  # fp16 rounding of subnormal scales, absolute (half the smallest fp16 step)
 
@@ -106,8 +117,19 @@ def test_measured_bits_match_analytical(name):
 
 def test_analytical_bits():
     bits = {name: quantizer(name).analytical_bits(128) for name in METHODS}
-    assert bits == {"int8_token": 8.125, "q8_0": 8.5, "q4_0": 4.5, "fp8_e4m3": 8.0, "fp8_e5m2": 8.0, "fp4_e2m1": 4.5, "kivi2_key": 3.0,
-                    "kivi2_value": 3.0, "kivi4_key": 5.0, "kivi4_value": 5.0, "sliding_window_asym3": 3.0625}
+    assert bits == {
+        "int8_token": 8.125,
+        "q8_0": 8.5,
+        "q4_0": 4.5,
+        "fp8_e4m3": 8.0,
+        "fp8_e5m2": 8.0,
+        "fp4_e2m1": 4.5,
+        "kivi2_key": 3.0,
+        "kivi2_value": 3.0,
+        "kivi4_key": 5.0,
+        "kivi4_value": 5.0,
+        "sliding_window_asym3": 3.0625,
+    }
 
 
 @pytest.mark.parametrize("name", ["kivi2_key", "kivi4_key", "sliding_window_asym3"])

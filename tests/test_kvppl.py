@@ -7,10 +7,10 @@ import pytest
 
 from niah.config import ConfigError
 from niah.kvppl import perplexity_table, run_kv_perplexity
+from niah.results import read_rows
 from niah.rundir import TABLES
 
 KEY = TABLES["kv_perplexity"].key
-from niah.results import read_rows
 
 
 def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_with, tiny, tmp_path):
@@ -23,7 +23,10 @@ def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_with, 
         assert (r["kl_vs_ref"] == 0 and r["top1_vs_ref"] == 1) if r["method"] == "fp16" else r["kl_vs_ref"] > 0
     table = perplexity_table(pd.DataFrame(rows)).set_index("method")
     assert table.loc["fp16", "ppl_vs_ref"] == 1 and table.loc["fp16", "ci_low"] == table.loc["fp16", "ci_high"] == 1
-    assert table.loc["turbo3", "ppl_vs_ref"] != 1 and table.loc["turbo3", "ci_low"] <= table.loc["turbo3", "ppl_vs_ref"] <= table.loc["turbo3", "ci_high"]
+    assert (
+        table.loc["turbo3", "ppl_vs_ref"] != 1
+        and table.loc["turbo3", "ci_low"] <= table.loc["turbo3", "ppl_vs_ref"] <= table.loc["turbo3", "ci_high"]
+    )
     assert table.loc["int8_token", "bits_per_value"] == pytest.approx(8 + 16 / tiny.head_dim)
 
 
@@ -45,8 +48,20 @@ def test_a_killed_run_resumes_without_duplicates(smoke_with, tiny, tmp_path, kil
 
 def test_ratio_and_interval_follow_the_windows():
     """Window 1 is twice as hard for 'q' as for the reference; the other windows are equal."""
-    rows = [{"method": m, "window": w, "status": "ok", "nll_sum": 10.0 * (2 if (m, w) == ("q", 1) else 1), "scored_tokens": 10,
-             "kl_vs_ref": 0.0, "top1_vs_ref": 1.0, "bits_per_value": 16 if m == "fp16" else 4} for m in ("fp16", "q") for w in range(4)]
+    rows = [
+        {
+            "method": m,
+            "window": w,
+            "status": "ok",
+            "nll_sum": 10.0 * (2 if (m, w) == ("q", 1) else 1),
+            "scored_tokens": 10,
+            "kl_vs_ref": 0.0,
+            "top1_vs_ref": 1.0,
+            "bits_per_value": 16 if m == "fp16" else 4,
+        }
+        for m in ("fp16", "q")
+        for w in range(4)
+    ]
     q = perplexity_table(pd.DataFrame(rows)).set_index("method").loc["q"]
     assert q["ppl_vs_ref"] == pytest.approx(math.exp(0.25))  # mean NLL 1.25 against 1.0
     assert q["ci_low"] == pytest.approx(1.0) and q["ci_high"] > q["ppl_vs_ref"]

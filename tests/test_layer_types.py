@@ -4,8 +4,8 @@ every stored layer type moves the logits when quantized, and bytes as the layout
 import pytest
 import torch
 
-from niah.kv.fp import CastStorage
 from niah.kv.cache import PackedCache, PackedLayer
+from niah.kv.fp import CastStorage
 from niah.kv.layout import FULL, LINEAR, SLIDING, CacheLayout, UnsupportedLayout
 from niah.kv.registry import KVMethod, get_method
 from niah.protocol import ask, context_states, prefill

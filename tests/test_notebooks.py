@@ -3,7 +3,6 @@
 import json
 
 import nbformat
-
 import pytest
 
 from niah.chain import chain, check, report, reproduce
@@ -53,10 +52,12 @@ def test_the_report_drops_progress_bars_but_keeps_warnings():
     from niah.chain import _without_progress_bars
 
     bars = "needle grid:  40%|####      | 2/5 [00:01<00:01]\rneedle grid: 100%|##########| 5/5 [00:02<00:00]\n"
-    cell = nbformat.v4.new_code_cell(outputs=[
-        nbformat.v4.new_output("stream", name="stderr", text=bars),
-        nbformat.v4.new_output("stream", name="stderr", text=bars + "UserWarning: torch.compile failed\n"),
-        nbformat.v4.new_output("stream", name="stdout", text="50%| printed on purpose\n"),
-    ])
+    cell = nbformat.v4.new_code_cell(
+        outputs=[
+            nbformat.v4.new_output("stream", name="stderr", text=bars),
+            nbformat.v4.new_output("stream", name="stderr", text=bars + "UserWarning: torch.compile failed\n"),
+            nbformat.v4.new_output("stream", name="stdout", text="50%| printed on purpose\n"),
+        ]
+    )
     out = _without_progress_bars(cell)["outputs"]
     assert [o["text"] for o in out] == ["UserWarning: torch.compile failed\n", "50%| printed on purpose\n"]

@@ -27,7 +27,9 @@ def test_the_question_reads_the_prefilled_cache(tiny, cell):
     kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=128))
     clean = _ask(tiny, kv, cell)
     gen = torch.Generator().manual_seed(0)
-    corrupted = [dataclasses.replace(s, values=s.values + torch.randn(s.values.shape, generator=gen)) for s in kv]  # (a reordering would not do: attention ignores key order)
+    corrupted = [
+        dataclasses.replace(s, values=s.values + torch.randn(s.values.shape, generator=gen)) for s in kv
+    ]  # (a reordering would not do: attention ignores key order)
     other = _ask(tiny, corrupted, cell)
     assert abs(clean.answer_logprob - other.answer_logprob) > 1e-3
     kl, top1 = compare_logits(clean.answer_logsoftmax, other.answer_logsoftmax)

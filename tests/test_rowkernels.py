@@ -9,7 +9,17 @@ from niah.kv.registry import get_method
 
 TURBO_MSE = ["turbo2", "turbo3", "turbo4", "turbo2.5", "turbo3.5"]
 TURBO = [*TURBO_MSE, "turbo2_prod", "turbo3_prod", "turbo4_prod"]  # read in their rotated basis (_CodeBlock)
-ROWS = ["q8_0", "q4_0", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "kivi2", "kivi4", "sliding_window_asym3", *TURBO]  # every format read by the row kernels
+ROWS = [
+    "q8_0",
+    "q4_0",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp4_e2m1",
+    "kivi2",
+    "kivi4",
+    "sliding_window_asym3",
+    *TURBO,
+]  # every format read by the row kernels
 
 
 def _kv(tokens=37, seed=0):

@@ -29,16 +29,35 @@ def test_paired_bootstrap_interval_brackets_the_mean_and_is_reproducible():
     assert all(math.isnan(x) for x in paired_bootstrap([]))
 
 
-@pytest.mark.parametrize("low, high, above, expected", [(0.2, 0.4, True, "supported"), (0.2, 0.4, False, "refuted"),
-                                                         (-0.4, -0.2, True, "refuted"), (-0.4, -0.2, False, "supported"),
-                                                         (-0.1, 0.1, True, "inconclusive"), (float("nan"), float("nan"), True, "inconclusive")])
+@pytest.mark.parametrize(
+    "low, high, above, expected",
+    [
+        (0.2, 0.4, True, "supported"),
+        (0.2, 0.4, False, "refuted"),
+        (-0.4, -0.2, True, "refuted"),
+        (-0.4, -0.2, False, "supported"),
+        (-0.1, 0.1, True, "inconclusive"),
+        (float("nan"), float("nan"), True, "inconclusive"),
+    ],
+)
 def test_interval_verdict_decides_only_when_the_interval_excludes_the_threshold(low, high, above, expected):
     assert interval_verdict(low, high, 0.0, above) == expected
 
 
 def _rows(method, scores, logprob):
-    return [{"method": method, "status": "ok", "prompt_style": "plain", "length": 1024 * (1 + i % 2), "depth": i, "trial": 0,
-             "score": float(s), "answer_logprob": logprob} for i, s in enumerate(scores)]
+    return [
+        {
+            "method": method,
+            "status": "ok",
+            "prompt_style": "plain",
+            "length": 1024 * (1 + i % 2),
+            "depth": i,
+            "trial": 0,
+            "score": float(s),
+            "answer_logprob": logprob,
+        }
+        for i, s in enumerate(scores)
+    ]
 
 
 def test_paired_table_pairs_methods_question_by_question():

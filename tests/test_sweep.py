@@ -48,7 +48,6 @@ def test_a_killed_sweep_resumes_without_duplicates(smoke_with, tiny, tmp_path, k
     assert len(keys) == len(set(keys)) == len(cfg["sweep"]["lengths"]) * len(cfg["sweep"]["methods"])
 
 
-
 def test_unknown_sweep_setting_is_named(smoke_with, tiny, tmp_path):
     with pytest.raises(ValueError, match="unknown sweep setting"):
         run_sweep(smoke_with("sweep", step=3), tiny, tmp_path / "s.jsonl", progress=False)

@@ -189,9 +189,21 @@ def test_autoround_codes_reproduce_its_quantized_weights():
     from niah.tokenizer import ByteTokenizer
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=258,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=128,
+        )
+    )
     windows = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    layers, record = autoround.calibrate(model, ByteTokenizer(), windows, bits=4, group=64, sym=True, iters=1, batch_size=2, amp=False, seed=0)
+    layers, record = autoround.calibrate(
+        model, ByteTokenizer(), windows, bits=4, group=64, sym=True, iters=1, batch_size=2, amp=False, seed=0
+    )
     assert set(layers) == set(decoder_linears(model)) and record["iters"] == 1 and record["samples"] == 2 and record["wall_s"] >= 0
     w = model.model.layers[0].self_attn.q_proj.weight  # untouched: AutoRound worked on a copy
     deq = layers["model.layers.0.self_attn.q_proj"].dense()

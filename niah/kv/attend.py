@@ -87,7 +87,7 @@ def decode_attention(query: torch.Tensor, layer, scaling: float) -> torch.Tensor
     out, start = torch.zeros_like(q), 0
     for _, v in layer.chunks:
         n = v.shape[-2]
-        out += layer.vq.weighted_sum(v, weights[..., start:start + n])
+        out += layer.vq.weighted_sum(v, weights[..., start : start + n])
         start += n
     if res_v.shape[-2]:
         out += weights[..., start:] @ res_v

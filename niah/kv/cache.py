@@ -67,7 +67,9 @@ class LayerState:
 class PackedLayer(CacheLayerMixin):
     is_croppable = False
 
-    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True, fused_decode: bool = False, window: int | None = None):
+    def __init__(
+        self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True, fused_decode: bool = False, window: int | None = None
+    ):
         super().__init__()
         self.method = method
         self.window = window
@@ -196,7 +198,14 @@ class PackedCache(Cache):
         self.method = method
 
     @classmethod
-    def from_states(cls, states: list[LayerState], method: KVMethod, keep_dequantized: bool = True, fused_decode: bool = False, sliding: str = "quantize") -> "PackedCache":
+    def from_states(
+        cls,
+        states: list[LayerState],
+        method: KVMethod,
+        keep_dequantized: bool = True,
+        fused_decode: bool = False,
+        sliding: str = "quantize",
+    ) -> "PackedCache":
         """Store a prefilled context (:func:`niah.protocol.context_states`) with ``method``."""
         if sliding not in SLIDING_LAYERS:
             raise ValueError(f"unknown sliding-layer storage {sliding!r}: choose {' or '.join(SLIDING_LAYERS)}")

@@ -14,7 +14,8 @@ A row of ``n`` codes is padded with zero codes to a whole number of such groups 
 bytes; :func:`unpack_bits` needs ``n`` to drop the padding.
 
 :func:`pack_planes` is a second layout, for the formats whose codes the CPU row kernels read in SIMD lanes
-(TurboQuant, KIVI, the sliding-window quantizer): bit planes.  The ``n`` codes of a row (``n`` a multiple of 8) form runs of ``m`` codes, ``m`` the
+(TurboQuant, KIVI, the sliding-window quantizer): bit planes.  The ``n`` codes of a row (``n`` a multiple of 8) form
+runs of ``m`` codes, ``m`` the
 largest of 32, 16 and 8 that divides ``n`` (:func:`plane_run`).  A run takes ``bits`` planes of ``m / 8`` bytes,
 plane ``k`` first; byte ``i`` of plane ``k`` holds bit ``k`` of codes ``8i .. 8i + 7`` of the run, code ``8i + s``
 at bit ``s``.  Read as a little-endian ``m``-bit integer, plane ``k`` holds bit ``k`` of code ``s`` at bit ``s``,

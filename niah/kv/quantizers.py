@@ -194,7 +194,9 @@ class Q4_0(_HeadBlocks):
         if rowkernels.usable(blocks):
             codes = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8)
             scales = torch.empty(*x.shape[:-1], x.shape[-1] // BLOCK)
-            _q4_0_encode_rows(rowkernels.rows(blocks.flatten(-2)), codes.view(-1, codes.shape[-1]).numpy(), scales.view(-1, scales.shape[-1]).numpy())
+            _q4_0_encode_rows(
+                rowkernels.rows(blocks.flatten(-2)), codes.view(-1, codes.shape[-1]).numpy(), scales.view(-1, scales.shape[-1]).numpy()
+            )
             return Packed({"codes": codes, "scales": scales.half()}, tuple(x.shape), x.dtype)
         d = _signed_absmax(blocks) / -8
         codes = _small_codes((blocks * _inverse(d)).add_(8.5)).clamp_max_(15)
@@ -282,9 +284,7 @@ def _e2m1_code_table() -> torch.Tensor:
 _E2M1_CODES = _e2m1_code_table()
 _E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of bit pattern 0b000 .. 0b111
 # (256, 2): the values of the two codes in each byte (low nibble first), to decode a whole byte at once
-_E2M1_PAIRS = torch.cat([_E2M1_VALUES, -_E2M1_VALUES])[
-    unpack_bits(torch.arange(256, dtype=torch.uint8).unsqueeze(-1), 4, 2).long()
-]
+_E2M1_PAIRS = torch.cat([_E2M1_VALUES, -_E2M1_VALUES])[unpack_bits(torch.arange(256, dtype=torch.uint8).unsqueeze(-1), 4, 2).long()]
 
 
 @njit(boundscheck=False, nogil=True)  # no fastmath: the torch path's float32 arithmetic, bit for bit
@@ -302,7 +302,15 @@ def _e2m1_encode_rows(x, scales, codes):
             for i in range(BLOCK):
                 v = x[r, blk * BLOCK + i]
                 j = min(np.float32(24.0), np.ceil(abs(v) * inv4))
-                magnitude = np.int32(j > b0) + np.int32(j > b1) + np.int32(j > b2) + np.int32(j > b3) + np.int32(j > b4) + np.int32(j > b5) + np.int32(j > b6)
+                magnitude = (
+                    np.int32(j > b0)
+                    + np.int32(j > b1)
+                    + np.int32(j > b2)
+                    + np.int32(j > b3)
+                    + np.int32(j > b4)
+                    + np.int32(j > b5)
+                    + np.int32(j > b6)
+                )
                 c[i] = magnitude | np.int32(v < 0 and j > 0) << 3
             for i in range(BLOCK // 2):  # pack_bits: low nibble first
                 codes[r, blk * 16 + i] = np.uint8(c[2 * i] | c[2 * i + 1] << 4)
@@ -327,7 +335,9 @@ class FP4E2M1(_HeadBlocks):
         scale = (a.amax(-1, keepdim=True) / 6).half()
         if rowkernels.usable(blocks):
             codes = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8)
-            _e2m1_encode_rows(rowkernels.rows(blocks.flatten(-2)), rowkernels.rows(scale.squeeze(-1)), codes.view(-1, codes.shape[-1]).numpy())
+            _e2m1_encode_rows(
+                rowkernels.rows(blocks.flatten(-2)), rowkernels.rows(scale.squeeze(-1)), codes.view(-1, codes.shape[-1]).numpy()
+            )
             return Packed({"codes": codes, "scales": scale.squeeze(-1)}, tuple(x.shape), x.dtype)
         j = a.mul_(4 * _inverse(scale.float())).ceil_().clamp_max_(24).copysign_(blocks).add_(24)
         codes = _E2M1_CODES.to(x.device).index_select(0, j.to(torch.int32).flatten()).view(x.shape)
@@ -538,7 +548,9 @@ class _MinMax(RowDecoded):
 
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim % 8:
-            raise ValueError(f"{self.name}: head_dim must be a multiple of 8 (codes are stored in bit planes of 8-code bytes); got head_dim={head_dim}")
+            raise ValueError(
+                f"{self.name}: head_dim must be a multiple of 8 (codes are stored in bit planes of 8-code bytes); got head_dim={head_dim}"
+            )
 
     def torch_dequantize(self, p: Packed) -> torch.Tensor:
         return _minmax_dequantize(p, self.bits, *self._groups)

@@ -2,7 +2,8 @@
 
 A method name is either a registered quantizer name used for keys and values alike
 (``q8_0``, ``turbo3``), a name registered as ``<name>_key`` and ``<name>_value`` for methods that treat
-keys and values differently (``kivi2``: per-channel keys, per-token values), or ``k<spec>v<spec>`` with separate key and value settings, where each
+keys and values differently (``kivi2``: per-channel keys, per-token values), or ``k<spec>v<spec>`` with separate key and
+value settings, where each
 spec is a registered name or a bare bit width that maps through ``BITS_ALIAS``
 (``k8v4`` = keys ``q8_0``, values ``q4_0``; ``kq8_0vturbo3`` also works).
 """

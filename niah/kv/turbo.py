@@ -70,7 +70,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-
 from numba import njit
 
 from . import rowkernels
@@ -228,12 +227,14 @@ def _mse_encode(x: torch.Tensor, basis: torch.Tensor, bits: tuple[int, ...]) -> 
     (:func:`_rotate_encoder`)."""
     k = basis.shape[-2] // len(bits)
     if not rowkernels.usable(x):
-        rotated = [(*_rotate(x, basis[..., s * k:(s + 1) * k, :]), b) for s, b in enumerate(bits)]
+        rotated = [(*_rotate(x, basis[..., s * k : (s + 1) * k, :]), b) for s, b in enumerate(bits)]
         return [(_encode(y, norm, b), norm) for y, norm, b in rotated]
     b, h, t, d = x.shape
     out = [(torch.empty(b, h, t, 1), torch.empty(b, h, t, k * n // 8, dtype=torch.uint8)) for n in bits]
-    args = [(_codebook(k, n, x.device).mids15, norm.view(-1, 1).numpy(), codes.view(-1, codes.shape[-1]).numpy())
-            for n, (norm, codes) in zip(bits, out)]
+    args = [
+        (_codebook(k, n, x.device).mids15, norm.view(-1, 1).numpy(), codes.view(-1, codes.shape[-1]).numpy())
+        for n, (norm, codes) in zip(bits, out)
+    ]
     rot_t = basis.transpose(-1, -2).reshape(-1, d, basis.shape[-2]).contiguous().numpy()
     _rotate_encoder(bits, plane_run(k))(rowkernels.rows(x.float()), t, rot_t, *args[0], *args[-1])
     return [(codes, norm) for norm, codes in out]
@@ -325,14 +326,14 @@ def _rotate_encoder(bits: tuple[int, ...], run: int):
             head = first // tokens % rot_t.shape[0]
             for start in range(first, first + tokens, _TILE):
                 n = min(_TILE, first + tokens - start)
-                np.dot(x[start:start + n], rot_t[head], y[:n])
+                np.dot(x[start : start + n], rot_t[head], y[:n])
                 for i in range(n):
                     norm[start + i, 0] = np.sqrt(_sum_squares(y, i, 0, k))
                     if two:
                         norm2[start + i, 0] = np.sqrt(_sum_squares(y, i, k, 2 * k))
-                encode(y[:n], 0, k, norm[start:start + n], mids, out[start:start + n])
+                encode(y[:n], 0, k, norm[start : start + n], mids, out[start : start + n])
                 if two:
-                    encode2(y[:n], k, k, norm2[start:start + n], mids2, out2[start:start + n])
+                    encode2(y[:n], k, k, norm2[start : start + n], mids2, out2[start : start + n])
 
     return rotate_encode
 
@@ -357,10 +358,10 @@ def _prod_encoder(bits: int, dim: int):
             head = first // tokens % rot_t.shape[0]
             for start in range(first, first + tokens, _TILE):
                 n = min(_TILE, first + tokens - start)
-                np.dot(x[start:start + n], rot_t[head], y[:n])
+                np.dot(x[start : start + n], rot_t[head], y[:n])
                 for i in range(n):
                     norm[start + i, 0] = np.sqrt(_sum_squares(y, i, 0, dim))
-                encode(y[:n], 0, dim, norm[start:start + n], mids, codes[start:start + n])
+                encode(y[:n], 0, dim, norm[start : start + n], mids, codes[start : start + n])
                 for i in range(n):
                     read(codes, np.float32(1.0), table, run, start + i, u_hat, 0)  # c(codes), unit scale
                     unit = max(norm[start + i, 0], np.float32(_TINY))
@@ -371,7 +372,7 @@ def _prod_encoder(bits: int, dim: int):
                 for i in range(n):
                     for j in range(dim):
                         positive[i, j] = sketch[i, j] >= 0
-                pack_signs(positive[:n], signs[start:start + n])
+                pack_signs(positive[:n], signs[start : start + n])
 
     return prod_encode
 
@@ -560,10 +561,7 @@ class _CodeBlock(NamedTuple):
         return cls((_mse_stage(codes, norm, bits, rot.shape[-2]),), rot)
 
     def _row_args(self) -> tuple:
-        return tuple(
-            (rowkernels.rows(st.codes), rowkernels.rows(st.scale), st.table.numpy(), plane_run(st.size))
-            for st in self.stages
-        )
+        return tuple((rowkernels.rows(st.codes), rowkernels.rows(st.scale), st.table.numpy(), plane_run(st.size)) for st in self.stages)
 
     def _decoder(self):
         return _block_row(tuple((st.bits, st.size) for st in self.stages))

@@ -34,7 +34,9 @@ def version() -> str:
     try:
         return importlib.metadata.version("auto-round")
     except importlib.metadata.PackageNotFoundError:
-        raise UnsupportedScheme("auto-round is not installed: `pip install auto-round` (a dependency of this repo since notebook 01)") from None
+        raise UnsupportedScheme(
+            "auto-round is not installed: `pip install auto-round` (a dependency of this repo since notebook 01)"
+        ) from None
 
 
 def presets() -> dict[str, dict]:
@@ -64,7 +66,11 @@ def scheme(bits: int, group: int, sym: bool, act_bits: int = 16, preset: str | N
                 "A custom scheme is scheme(bits, group, sym, act_bits=...); w4a8_offer() shows what the library can save of one."
             )
         return preset_name_to_scheme(preset)
-    act = {"act_bits": act_bits, "act_data_type": "int", "act_dynamic": True, "act_sym": True, "act_group_size": -1} if act_bits < 16 else {"act_bits": 16}
+    act = (
+        {"act_bits": act_bits, "act_data_type": "int", "act_dynamic": True, "act_sym": True, "act_group_size": -1}
+        if act_bits < 16
+        else {"act_bits": 16}
+    )
     return QuantizationScheme(bits=bits, group_size=group, sym=sym, data_type="int", **act)
 
 
@@ -74,8 +80,17 @@ def _autoround(model, tokenizer, windows: torch.Tensor, sch, iters: int, batch_s
     if windows.shape[0] < 1 or windows.shape[1] < 2:
         raise ValueError(f"AutoRound needs calibration windows (samples, seqlen) with seqlen >= 2; got {tuple(windows.shape)}")
     return AutoRound(
-        model, tokenizer=tokenizer, scheme=sch, iters=iters, nsamples=len(windows), seqlen=windows.shape[1],
-        batch_size=min(batch_size, len(windows)), dataset=[w[None] for w in windows], device_map="cpu", amp=amp, seed=seed,
+        model,
+        tokenizer=tokenizer,
+        scheme=sch,
+        iters=iters,
+        nsamples=len(windows),
+        seqlen=windows.shape[1],
+        batch_size=min(batch_size, len(windows)),
+        dataset=[w[None] for w in windows],
+        device_map="cpu",
+        amp=amp,
+        seed=seed,
     )
 
 
@@ -98,7 +113,9 @@ def _codes(layer: torch.nn.Linear, bits: int, group: int, sym: bool) -> QWeight:
     return QWeight(codes, layer.scale.detach().half().reshape(scale.shape), zero, bits)
 
 
-def calibrate(model, tokenizer, windows: torch.Tensor, bits: int, group: int, sym: bool, iters: int, batch_size: int, amp: bool, seed: int) -> tuple[dict[str, PackedLinear], dict]:
+def calibrate(
+    model, tokenizer, windows: torch.Tensor, bits: int, group: int, sym: bool, iters: int, batch_size: int, amp: bool, seed: int
+) -> tuple[dict[str, PackedLinear], dict]:
     """AutoRound ``bits``-bit weights (activations untouched) for every decoder linear of ``model``.
 
     ``windows: (samples, seqlen)`` token ids of the calibration split, passed as tensors (auto-round tokenizes
@@ -114,11 +131,23 @@ def calibrate(model, tokenizer, windows: torch.Tensor, bits: int, group: int, sy
     with MemorySampler(hz=20) as mem:
         ar.quantize()
     wall = time.perf_counter() - t0
-    layers = {n: PackedLinear.from_qweight(_codes(m, bits, group, sym), (m.out_features, m.in_features), group) for n, m in decoder_linears(work).items()}
-    record = {"library": "auto-round", "version": version(), "iters": iters, "samples": len(windows), "seqlen": windows.shape[1],
-              "batch_size": min(batch_size, len(windows)), "amp": amp, "wall_s": round(wall, 1),
-              "rss_start_bytes": mem.values[0] if mem.values else 0, "peak_rss_bytes": max(mem.values, default=0),
-              "tuned_in": str(next(work.parameters()).dtype)}
+    layers = {
+        n: PackedLinear.from_qweight(_codes(m, bits, group, sym), (m.out_features, m.in_features), group)
+        for n, m in decoder_linears(work).items()
+    }
+    record = {
+        "library": "auto-round",
+        "version": version(),
+        "iters": iters,
+        "samples": len(windows),
+        "seqlen": windows.shape[1],
+        "batch_size": min(batch_size, len(windows)),
+        "amp": amp,
+        "wall_s": round(wall, 1),
+        "rss_start_bytes": mem.values[0] if mem.values else 0,
+        "peak_rss_bytes": max(mem.values, default=0),
+        "tuned_in": str(next(work.parameters()).dtype),
+    }
     return layers, record
 
 
@@ -145,7 +174,17 @@ def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compr
 
     table = presets()
     torch.manual_seed(0)
-    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256))
+    tiny = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=258,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    )
     windows = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     capture = _Capture()
     log = logging.getLogger("autoround")
@@ -161,9 +200,14 @@ def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compr
     finally:
         log.removeHandler(capture)
     return {
-        "auto_round_version": version(), "presets_w4a8": w4a8_presets(table), "presets_with_int8_activations": [n for n, s in table.items() if s.get("act_bits") == 8 and s.get("data_type") == "int"],
-        "custom_w4a8_accepted": not error, "custom_w4a8_error": error, "formats_written": written,
-        "real_w4a8_export": any(v == "packed" for v in written.values()), "warnings": sorted(set(capture.messages)),
+        "auto_round_version": version(),
+        "presets_w4a8": w4a8_presets(table),
+        "presets_with_int8_activations": [n for n, s in table.items() if s.get("act_bits") == 8 and s.get("data_type") == "int"],
+        "custom_w4a8_accepted": not error,
+        "custom_w4a8_error": error,
+        "formats_written": written,
+        "real_w4a8_export": any(v == "packed" for v in written.values()),
+        "warnings": sorted(set(capture.messages)),
     }
 
 

@@ -33,7 +33,13 @@ def scales_for(x_mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
     return s / (s.max() * s.min()).sqrt()
 
 
-def output_error(weights: list[torch.Tensor], x: torch.Tensor, s: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], refs: list[torch.Tensor] | None = None) -> float:
+def output_error(
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    s: torch.Tensor,
+    quant: Callable[[torch.Tensor], torch.Tensor],
+    refs: list[torch.Tensor] | None = None,
+) -> float:
     """Sum over ``weights`` ``(out_i, in)`` of the mean squared error of ``Q(W s) (x / s)`` against ``W x`` (``refs``, if
     already computed), ``x: (tokens, in)``."""
     xs = x / s
@@ -42,7 +48,9 @@ def output_error(weights: list[torch.Tensor], x: torch.Tensor, s: torch.Tensor, 
 
 
 @torch.no_grad()
-def search_scale(weights: list[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], grid: int = 20) -> AWQResult:
+def search_scale(
+    weights: list[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], grid: int = 20
+) -> AWQResult:
     """AWQ's scale for the linears ``weights`` that share the input ``x: (tokens, in)`` (mean |x| = ``x_mean_abs``)."""
     weights = [w.detach().float() for w in weights]
     refs = [x @ w.T for w in weights]

@@ -55,8 +55,15 @@ class Evaluator:
                 kl.append((r.exp() * (r - lp)).sum(-1).reshape(-1))
                 top1.append((r.argmax(-1) == lp.argmax(-1)).reshape(-1).float())
         n, length = self.windows.shape
-        return {"ppl": math.exp(float(torch.cat(nll).mean())), "ppl_fp32": self.ref_ppl, "kl_vs_fp32": max(float(torch.cat(kl).mean()), 0.0),
-                "top1_vs_fp32": float(torch.cat(top1).mean()), "eval_windows": n, "eval_length": length, "eval_tokens": n * (length - 1)}
+        return {
+            "ppl": math.exp(float(torch.cat(nll).mean())),
+            "ppl_fp32": self.ref_ppl,
+            "kl_vs_fp32": max(float(torch.cat(kl).mean()), 0.0),
+            "top1_vs_fp32": float(torch.cat(top1).mean()),
+            "eval_windows": n,
+            "eval_length": length,
+            "eval_tokens": n * (length - 1),
+        }
 
 
 @torch.no_grad()

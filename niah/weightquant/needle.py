@@ -50,20 +50,42 @@ class NeedleBench:
     def __init__(self, cfg: dict, lm, settings: dict, haystack_folder: Path, out_path: Path):
         raw = {k: v for k, v in cfg.items() if k != "hash"}
         raw.update(haystack="folder", haystack_folder=str(haystack_folder))
-        raw["niah"] = {**cfg["niah"], "lengths": [settings["length"]], "depths": settings["depths"], "trials": settings["trials"], "methods": [REF_METHOD], "reference": REF_METHOD}
+        raw["niah"] = {
+            **cfg["niah"],
+            "lengths": [settings["length"]],
+            "depths": settings["depths"],
+            "trials": settings["trials"],
+            "methods": [REF_METHOD],
+            "reference": REF_METHOD,
+        }
         self.cfg, self.lm = validate(raw, f"{cfg['name']} (weightquant needle)"), lm
         n = self.cfg["niah"]
         hay = tokenize_haystack(haystack_text("folder", haystack_folder), lm.tokenizer, settings["length"])
         spec = NeedleSpec(**n["needle"])
         self.cells = cells(self.cfg)
-        self.prompts = {c: build_cell(lm.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(self.cfg, c)), c.style) for c in self.cells}
+        self.prompts = {
+            c: build_cell(lm.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(self.cfg, c)), c.style) for c in self.cells
+        }
         self.table = open_table(cfg, "weightquant_needles", out_path)
         self._ref: dict = {}
 
     def _row(self, qm: QuantizedModel, cell, method: str) -> dict:
-        return {"config": self.cfg["name"], "config_hash": self.cfg["hash"], "model": self.lm.name, "weights": qm.name, "simulated": qm.scheme.simulated,
-                "prompt_style": cell.style, "length": cell.length, "depth": cell.depth, "trial": cell.trial, "method": method,
-                "seed": self.cfg["seed"], "git_commit": env.git_commit(), "versions": env.versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        return {
+            "config": self.cfg["name"],
+            "config_hash": self.cfg["hash"],
+            "model": self.lm.name,
+            "weights": qm.name,
+            "simulated": qm.scheme.simulated,
+            "prompt_style": cell.style,
+            "length": cell.length,
+            "depth": cell.depth,
+            "trial": cell.trial,
+            "method": method,
+            "seed": self.cfg["seed"],
+            "git_commit": env.git_commit(),
+            "versions": env.versions(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
 
     def _too_long(self, cell) -> str:
         p, n = self.prompts[cell], self.cfg["niah"]
@@ -80,7 +102,9 @@ class NeedleBench:
         values = kv_entries(kv)
         out = {}
         for m in methods:
-            ans, stored, _ = run_method(self.lm.model, self.lm.tokenizer, kv, get_method(m), p.question_ids, p.answer_ids, n["max_new_tokens"])
+            ans, stored, _ = run_method(
+                self.lm.model, self.lm.tokenizer, kv, get_method(m), p.question_ids, p.answer_ids, n["max_new_tokens"]
+            )
             out[m] = (ans, {"kv_bytes": stored["total"], "bits_per_value": 8 * stored["total"] / values, "prefill_s": prefill_s})
         return out
 
@@ -112,8 +136,20 @@ class NeedleBench:
                     ans, extra = answers[m]
                     kl, top1 = compare_logits(self._ref[c].answer_logsoftmax, ans.answer_logsoftmax)
                     p = self.prompts[c]
-                    self.table.append({**self._row(qm, c, m), "status": "ok", "reason": "", "expected": p.expected, "generated": ans.text,
-                                       "score": string_match_all(ans.text, p.expected), "answer_logprob": ans.answer_logprob,
-                                       "kl_vs_ref": kl, "top1_vs_ref": top1, "context_tokens": len(p.prefill_ids), **extra})
+                    self.table.append(
+                        {
+                            **self._row(qm, c, m),
+                            "status": "ok",
+                            "reason": "",
+                            "expected": p.expected,
+                            "generated": ans.text,
+                            "score": string_match_all(ans.text, p.expected),
+                            "answer_logprob": ans.answer_logprob,
+                            "kl_vs_ref": kl,
+                            "top1_vs_ref": top1,
+                            "context_tokens": len(p.prefill_ids),
+                            **extra,
+                        }
+                    )
         df = pd.DataFrame(self.table.rows())
         return df[df["weights"] == qm.name].reset_index(drop=True)

@@ -69,11 +69,26 @@ def combined_heatmap(needle: pd.DataFrame, weights: list[str], methods: list[str
     s = summarize(needle, ["weights", "method"])
     grid = s.pivot(index="weights", columns="method", values="accuracy").reindex(index=weights, columns=methods)
     sims = needle.drop_duplicates("weights").set_index("weights")["simulated"]
-    text = s.assign(t=[f"{a:.2f} [{lo:.2f},{hi:.2f}]\nn={int(n)} logp {lp:.1f}\nKL {kl:.1e}" for a, lo, hi, n, lp, kl in
-                       zip(s["accuracy"], s["ci_low"], s["ci_high"], s["n"], s["answer_logprob"], s["kl_vs_ref"])])
+    text = s.assign(
+        t=[
+            f"{a:.2f} [{lo:.2f},{hi:.2f}]\nn={int(n)} logp {lp:.1f}\nKL {kl:.1e}"
+            for a, lo, hi, n, lp, kl in zip(s["accuracy"], s["ci_low"], s["ci_high"], s["n"], s["answer_logprob"], s["kl_vs_ref"])
+        ]
+    )
     labels = text.pivot(index="weights", columns="method", values="t").reindex(index=weights, columns=methods).fillna("")
     fig, ax = plt.subplots(figsize=(2.6 * len(methods) + 2, 1.1 * len(weights) + 1.5))
-    sns.heatmap(grid, annot=labels, fmt="", vmin=0, vmax=1, cmap="RdYlGn", linewidths=0.5, ax=ax, annot_kws={"fontsize": 7}, cbar_kws={"label": "needle accuracy"})
+    sns.heatmap(
+        grid,
+        annot=labels,
+        fmt="",
+        vmin=0,
+        vmax=1,
+        cmap="RdYlGn",
+        linewidths=0.5,
+        ax=ax,
+        annot_kws={"fontsize": 7},
+        cbar_kws={"label": "needle accuracy"},
+    )
     ax.set_yticklabels([w + (" [simulated]" if sims.get(w, False) else "") for w in grid.index], rotation=0)
     ax.set_xlabel("KV cache method")
     ax.set_ylabel("weights")

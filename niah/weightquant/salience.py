@@ -146,8 +146,15 @@ def salience_summary(model, stats: dict[str, InputStats], top: float = 0.01) -> 
         s = stats[first].mean_abs
         k = max(1, round(top * s.numel()))
         readers = "/".join(layer_type(n) for n in owner if owner[n] == first)
-        rows.append({"input_of": readers, "layer": int(first.split(".layers.")[1].split(".")[0]), "channels": s.numel(),
-                     "max_over_median": float(s.max() / s.median()), f"top{top:.0%}_share": float(s.topk(k).values.sum() / s.sum())})
+        rows.append(
+            {
+                "input_of": readers,
+                "layer": int(first.split(".layers.")[1].split(".")[0]),
+                "channels": s.numel(),
+                "max_over_median": float(s.max() / s.median()),
+                f"top{top:.0%}_share": float(s.topk(k).values.sum() / s.sum()),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -159,6 +166,13 @@ def layer_errors(model, stats: dict[str, InputStats], quant) -> pd.DataFrame:
     for n, m in decoder_linears(model).items():
         w, x = m.weight.float(), stats[n].sample
         ref = x @ w.T
-        rows.append({"linear": n, "layer": int(n.split(".layers.")[1].split(".")[0]), "type": layer_type(n), "kurtosis": kurtosis(w),
-                     "rel_output_error": float((x @ quant(w).T - ref).pow(2).sum() / ref.pow(2).sum())})
+        rows.append(
+            {
+                "linear": n,
+                "layer": int(n.split(".layers.")[1].split(".")[0]),
+                "type": layer_type(n),
+                "kurtosis": kurtosis(w),
+                "rel_output_error": float((x @ quant(w).T - ref).pow(2).sum() / ref.pow(2).sum()),
+            }
+        )
     return pd.DataFrame(rows)

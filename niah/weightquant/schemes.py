@@ -47,10 +47,21 @@ class Scheme:
         return self.name + (" [simulated]" if self.simulated else "")
 
     def fields(self) -> dict:
-        return {"scheme": self.name, "w_bits": self.w_bits, "group": self.group if self.w_bits < 16 else None, "w_sym": self.sym,
-                "rounding": self.rounding if self.w_bits < 16 else "none", "a_bits": self.a_bits, "a_sym": self.a_sym,
-                "keep_share": self.keep, "keep_by": self.keep_by if self.keep else "", "keep_bits": self.keep_bits if self.keep else None,
-                "zero_share": self.zero, "zero_by": self.zero_by, "simulated": self.simulated}
+        return {
+            "scheme": self.name,
+            "w_bits": self.w_bits,
+            "group": self.group if self.w_bits < 16 else None,
+            "w_sym": self.sym,
+            "rounding": self.rounding if self.w_bits < 16 else "none",
+            "a_bits": self.a_bits,
+            "a_sym": self.a_sym,
+            "keep_share": self.keep,
+            "keep_by": self.keep_by if self.keep else "",
+            "keep_bits": self.keep_bits if self.keep else None,
+            "zero_share": self.zero,
+            "zero_by": self.zero_by,
+            "simulated": self.simulated,
+        }
 
 
 @dataclass
@@ -87,7 +98,10 @@ class QuantizedModel:
                 linears[n].weight = torch.nn.Parameter(w.to(saved[n].dtype), requires_grad=False)
             if self.scheme.a_bits < 16:
                 bits, sym = self.scheme.a_bits, self.scheme.a_sym
-                handles = [m.register_forward_pre_hook(lambda mod, args: (fake_quant_tokens(args[0], bits, sym), *args[1:])) for m in linears.values()]
+                handles = [
+                    m.register_forward_pre_hook(lambda mod, args: (fake_quant_tokens(args[0], bits, sym), *args[1:]))
+                    for m in linears.values()
+                ]
             yield model
         finally:
             for h in handles:
@@ -102,11 +116,15 @@ def rtn_layers(model, scheme: Scheme, channel_scale: dict[str, torch.Tensor] | N
     for n, m in decoder_linears(model).items():
         s = (channel_scale or {}).get(n)
         w = m.weight.detach().float() * (s[None, :] if s is not None else 1.0)
-        out[n] = PackedLinear.from_qweight(quantize_weight(w, scheme.w_bits, scheme.group, scheme.sym), tuple(w.shape), scheme.group, channel_scale=s)
+        out[n] = PackedLinear.from_qweight(
+            quantize_weight(w, scheme.w_bits, scheme.group, scheme.sym), tuple(w.shape), scheme.group, channel_scale=s
+        )
     return out
 
 
-def with_kept_channels(model, layers: dict[str, PackedLinear], scheme: Scheme, stats: dict[str, InputStats], seed: int) -> dict[str, PackedLinear]:
+def with_kept_channels(
+    model, layers: dict[str, PackedLinear], scheme: Scheme, stats: dict[str, InputStats], seed: int
+) -> dict[str, PackedLinear]:
     """``layers`` plus, per layer, the original weight columns of ``scheme.keep`` of its input channels
     (chosen by ``scheme.keep_by``), stored as fp16 or as int8 per output channel."""
     out = {}
@@ -119,8 +137,13 @@ def with_kept_channels(model, layers: dict[str, PackedLinear], scheme: Scheme, s
             keep, keep_scale = cols.half(), None
         else:
             q = quantize_weight(cols, scheme.keep_bits, group=-1, sym=True)
-            keep, keep_scale = (q.codes.reshape(cols.shape).to(torch.int16) - 2 ** (scheme.keep_bits - 1)).to(torch.int8), q.scale.reshape(-1)
-        out[n] = PackedLinear(p.shape, p.bits, p.group, p.codes, p.scale, p.zero, idx.to(torch.int32), keep, keep_scale, p.channel_scale, p.extra)
+            keep, keep_scale = (
+                (q.codes.reshape(cols.shape).to(torch.int16) - 2 ** (scheme.keep_bits - 1)).to(torch.int8),
+                q.scale.reshape(-1),
+            )
+        out[n] = PackedLinear(
+            p.shape, p.bits, p.group, p.codes, p.scale, p.zero, idx.to(torch.int32), keep, keep_scale, p.channel_scale, p.extra
+        )
     return out
 
 

@@ -42,5 +42,3 @@ def settings(cfg: dict) -> dict:
         else:
             out[k] = v
     return out
-
-

@@ -3,10 +3,12 @@
 Rows go to ``papermill_runs/<config>/weightquant_results.jsonl`` (a resumable :class:`~niah.results.ResultsTable`
 keyed by ``config, model, scheme``; a rerun skips finished schemes).  Row schema:
 
-identity     ``config``, ``config_hash``, ``model``, ``scheme`` (name), ``status`` (``ok``), ``seed``, ``git_commit``, ``versions``, ``time``
+identity     ``config``, ``config_hash``, ``settings_hash``, ``model``, ``scheme`` (name), ``status`` (``ok``), ``seed``,
+             ``git_commit``, ``versions``, ``time``
 scheme       ``w_bits`` (16 = untouched), ``group`` (-1 = per output channel), ``w_sym``, ``rounding`` (none/rtn/autoround/awq),
              ``a_bits`` (16 = none), ``a_sym``, ``simulated`` (activation quantization is quantize-dequantize, no int kernel),
-             ``keep_share``, ``keep_by``, ``keep_bits`` (input channels kept at higher precision), ``zero_share``, ``zero_by`` (activation, magnitude)
+             ``keep_share``, ``keep_by``, ``keep_bits`` (input channels kept at higher precision), ``zero_share``,
+             ``zero_by`` (activation, magnitude)
 quality      ``ppl``, ``ppl_fp32``, ``ppl_delta`` (ppl - ppl_fp32), ``kl_vs_fp32``, ``top1_vs_fp32``,
              ``eval_windows``, ``eval_length``, ``eval_tokens`` (held-out split, non-overlapping windows)
 bytes        ``linear_bytes`` (decoder linears as stored: packed codes, scales, kept columns), ``disk_bytes`` (linear_bytes +
@@ -56,6 +58,7 @@ from .schemes import QuantizedModel, Scheme, rtn_layers, with_kept_channels, zer
 from .settings import settings
 from .tables import OFFER
 
+
 class Study:
     """Everything a notebook needs, made when first used and kept: calibration and evaluation windows,
     activation statistics, AutoRound weights and AWQ scales (cached on disk), the needle bench."""
@@ -73,7 +76,11 @@ class Study:
     @cached_property
     def evaluator(self) -> Evaluator:
         e = self.s["evaluation"]
-        return Evaluator(self.lm.model, token_windows(self.lm.tokenizer, split_text("evaluation", self.s["calibration_share"]), e["windows"], e["length"]), e["batch"])
+        return Evaluator(
+            self.lm.model,
+            token_windows(self.lm.tokenizer, split_text("evaluation", self.s["calibration_share"]), e["windows"], e["length"]),
+            e["batch"],
+        )
 
     @cached_property
     def stats(self):
@@ -93,13 +100,33 @@ class Study:
 
     def _key(self, scheme: Scheme, **extra) -> dict:
         weights = {k: v for k, v in scheme.fields().items() if k in ("w_bits", "group", "w_sym", "rounding")}
-        return {"model": weight_model(self.cfg), "calibration": windows_hash(self.calibration), "seed": self.cfg["seed"], **weights, **extra}
+        return {
+            "model": weight_model(self.cfg),
+            "calibration": windows_hash(self.calibration),
+            "seed": self.cfg["seed"],
+            **weights,
+            **extra,
+        }
 
     def _autoround(self, scheme: Scheme):
         a = self.s["autoround"]
         key = self._key(scheme, autoround=a, version=autoround.version())
         windows = self.calibration[: a["samples"], : a["seqlen"]]
-        return cached(key, lambda: autoround.calibrate(self.lm.model, self.lm.tokenizer, windows, scheme.w_bits, scheme.group, scheme.sym, a["iters"], a["batch_size"], a["amp"], self.cfg["seed"]))
+        return cached(
+            key,
+            lambda: autoround.calibrate(
+                self.lm.model,
+                self.lm.tokenizer,
+                windows,
+                scheme.w_bits,
+                scheme.group,
+                scheme.sym,
+                a["iters"],
+                a["batch_size"],
+                a["amp"],
+                self.cfg["seed"],
+            ),
+        )
 
     def _awq(self, scheme: Scheme):
         key = self._key(scheme, awq_grid=self.s["awq_grid"], sample_tokens=self.s["calibration"]["sample_tokens"])
@@ -115,10 +142,20 @@ class Study:
             if not foldable(first, linears):
                 continue
             st = self.stats[first]
-            r = search_scale([linears[n].weight for n in names], st.sample, st.mean_abs, lambda w: fake_quant_weight(w, scheme.w_bits, scheme.group, scheme.sym), self.s["awq_grid"])
+            r = search_scale(
+                [linears[n].weight for n in names],
+                st.sample,
+                st.mean_abs,
+                lambda w: fake_quant_weight(w, scheme.w_bits, scheme.group, scheme.sym),
+                self.s["awq_grid"],
+            )
             alphas[first] = r.alpha
             scales.update({n: r.scale for n in names})
-        return rtn_layers(self.lm.model, scheme, scales), {"alphas": alphas, "grid": self.s["awq_grid"], "unscaled": [g for g in groups if g not in alphas]}
+        return rtn_layers(self.lm.model, scheme, scales), {
+            "alphas": alphas,
+            "grid": self.s["awq_grid"],
+            "unscaled": [g for g in groups if g not in alphas],
+        }
 
     def build(self, scheme: Scheme) -> tuple[QuantizedModel, dict]:
         """The scheme's model and a record of its calibration (empty for uncalibrated schemes)."""
@@ -143,14 +180,29 @@ class Study:
         model = self.lm.model
         ws = [m.weight for m in decoder_linears(model).values()]
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        return {"kurtosis_fp32": kurtosis(*ws), "kurtosis_max_layer": max(kurtosis(w) for w in ws), "memory_bytes": params,
-                "other_bytes": params - sum(w.numel() * w.element_size() for w in ws)}
+        return {
+            "kurtosis_fp32": kurtosis(*ws),
+            "kurtosis_max_layer": max(kurtosis(w) for w in ws),
+            "memory_bytes": params,
+            "other_bytes": params - sum(w.numel() * w.element_size() for w in ws),
+        }
 
     def _base(self, name: str) -> dict:
-        return {"config": self.cfg["name"], "config_hash": self.cfg["hash"], "model": self.lm.name, "scheme": name, "status": "ok",
-                "seed": self.cfg["seed"], "git_commit": env.git_commit(), "versions": env.versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        return {
+            "config": self.cfg["name"],
+            "config_hash": self.cfg["hash"],
+            "model": self.lm.name,
+            "scheme": name,
+            "status": "ok",
+            "seed": self.cfg["seed"],
+            "git_commit": env.git_commit(),
+            "versions": env.versions(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
 
-    def evaluate(self, schemes: list[Scheme], needle: dict[str, list[str]] | None = None, generate_for: tuple[str, ...] = ()) -> pd.DataFrame:
+    def evaluate(
+        self, schemes: list[Scheme], needle: dict[str, list[str]] | None = None, generate_for: tuple[str, ...] = ()
+    ) -> pd.DataFrame:
         """Evaluate every scheme not yet in the table; ``needle[name]``: KV methods of its needle cells; ``generate_for``:
         names that also generate ``generate_tokens`` greedy tokens.  Returns the rows of ``schemes``."""
         needle = needle or {}
@@ -163,12 +215,23 @@ class Study:
             linear = qm.linear_bytes(self.lm.model)
             zeros = sum(int((w == 0).sum()) for w in qm.dense.values()) / max(sum(w.numel() for w in qm.dense.values()), 1)
             c = self.s["calibration"]
-            row = {**self._base(sch.name), **sch.fields(), **self.evaluator.measure(qm),
-                   "linear_bytes": linear, "disk_bytes": linear + facts["other_bytes"], "memory_bytes": facts["memory_bytes"],
-                   "checkpoint_file_bytes": record.pop("checkpoint_file_bytes", None), "zero_fraction": zeros if sch.zero else 0.0,
-                   "kurtosis_fp32": facts["kurtosis_fp32"], "kurtosis_max_layer": facts["kurtosis_max_layer"],
-                   "calibration_hash": windows_hash(self.calibration), "calibration_samples": c["samples"], "calibration_seqlen": c["seqlen"],
-                   "calibration_share": self.s["calibration_share"], "calibrated": record}
+            row = {
+                **self._base(sch.name),
+                **sch.fields(),
+                **self.evaluator.measure(qm),
+                "linear_bytes": linear,
+                "disk_bytes": linear + facts["other_bytes"],
+                "memory_bytes": facts["memory_bytes"],
+                "checkpoint_file_bytes": record.pop("checkpoint_file_bytes", None),
+                "zero_fraction": zeros if sch.zero else 0.0,
+                "kurtosis_fp32": facts["kurtosis_fp32"],
+                "kurtosis_max_layer": facts["kurtosis_max_layer"],
+                "calibration_hash": windows_hash(self.calibration),
+                "calibration_samples": c["samples"],
+                "calibration_seqlen": c["seqlen"],
+                "calibration_share": self.s["calibration_share"],
+                "calibrated": record,
+            }
             row["ppl_delta"] = row["ppl"] - row["ppl_fp32"]
             if sch.name in needle:
                 row.update(self._needle_fields(qm, needle[sch.name]))
@@ -186,8 +249,15 @@ class Study:
         s = summarize(df[df["method"] == "fp16"], ["weights"]).iloc[0] if (df["method"] == "fp16").any() else None
         if s is None or not s["n"]:
             return {"needle_length": self.s["needle"]["length"], "needle_n": 0}
-        return {"needle_length": self.s["needle"]["length"], "needle_n": int(s["n"]), "needle_accuracy": s["accuracy"], "needle_ci_low": s["ci_low"],
-                "needle_ci_high": s["ci_high"], "needle_answer_logprob": s["answer_logprob"], "needle_kl_vs_fp32": s["kl_vs_ref"]}
+        return {
+            "needle_length": self.s["needle"]["length"],
+            "needle_n": int(s["n"]),
+            "needle_accuracy": s["accuracy"],
+            "needle_ci_low": s["ci_low"],
+            "needle_ci_high": s["ci_high"],
+            "needle_answer_logprob": s["answer_logprob"],
+            "needle_kl_vs_fp32": s["kl_vs_ref"],
+        }
 
     def rows(self, names: list[str] | None = None) -> pd.DataFrame:
         df = pd.DataFrame(self.table.rows())
@@ -215,9 +285,11 @@ class Study:
             "calibration split": f"{len(calib)} pydoc topic keys (sha256 rule, share {self.s['calibration_share']})",
             "evaluation split": f"{len(held)} other topic keys; perplexity, KL, generation prompt and needle haystack",
             "calibration windows": f"{c['samples']} x {c['seqlen']} tokens (hash {windows_hash(self.calibration)})",
-            "evaluation windows": f"{e['windows']} non-overlapping x {e['length']} tokens = {e['windows'] * (e['length'] - 1)} predicted tokens",
-            "AutoRound": "iters {iters}, {samples} of the calibration windows cut to {seqlen} tokens, batch {batch_size}, amp (bf16) {amp}".format(**self.s["autoround"]) + f", group {self.s['group']}",
+            "evaluation windows": f"{e['windows']} non-overlapping x {e['length']} tokens = "
+            f"{e['windows'] * (e['length'] - 1)} predicted tokens",
+            "AutoRound": "iters {iters}, {samples} of the calibration windows cut to {seqlen} tokens, batch {batch_size}, "
+            "amp (bf16) {amp}".format(**self.s["autoround"])
+            + f", group {self.s['group']}",
             "needle cells": f"{n['length']} tokens, depths {n['depths']}, {n['trials']} trial(s) each; KV methods {self.kv_methods}",
         }
         return pd.DataFrame({"value": facts})
-
