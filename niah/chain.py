@@ -33,8 +33,9 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
 
     from .results import hold_lock
 
-    name = load_config(config)["name"]  # fails fast on a bad config, before any notebook starts
-    out = run_dir(config, run_root)
+    cfg = load_config(config)  # fails fast on a bad config, before any notebook starts
+    name = cfg["name"]
+    out = (run_root or ROOT / "papermill_runs") / name
     hold_lock(out, f"run folder {out}")
     out.mkdir(parents=True, exist_ok=True)
     params = {"config": config, "run_dir": str(out), "figures_dir": str((figures_root or ROOT / "figures") / name)}
@@ -53,7 +54,7 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
         from .summary import NoResults, summary_markdown
 
         try:
-            (out / "summary.md").write_text(summary_markdown(load_config(config), out), encoding="utf-8")
+            (out / "summary.md").write_text(summary_markdown(cfg, out), encoding="utf-8")
         except NoResults as err:
             print(f"[reproduce {config}] no summary.md: {err}", flush=True)
     print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)

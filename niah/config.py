@@ -195,9 +195,7 @@ def _check_sections(cfg: dict, where: str) -> None:
             methods = read(cfg).get("methods", [])
             for m in methods or []:
                 get_method(m)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError) as err:  # ConfigError included
         raise ConfigError(f"{where}: {err}") from None
 
 
