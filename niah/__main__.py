@@ -11,10 +11,10 @@ import warnings
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="niah", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("run", help="run (or resume) the needle grid of a config without Jupyter")
+    p = sub.add_parser("run", help="run (or resume) a config's needle questions (its battery, else its grid) without Jupyter")
     p.add_argument("--config", default="cpu")
-    p.add_argument("--methods", nargs="*", help="override niah.methods")
-    p.add_argument("--lengths", nargs="*", type=int, help="override niah.lengths")
+    p.add_argument("--methods", nargs="*", help="override the methods of the battery (or of niah: where there is none)")
+    p.add_argument("--lengths", nargs="*", type=int, help="override the lengths of the battery (or of niah)")
     p = sub.add_parser("reproduce", help="execute the notebook chain with papermill")
     p.add_argument("--config", default="cpu")
     p.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 03")
@@ -45,20 +45,21 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.cmd == "run":
+            from .battery import run_needles
             from .config import load_config, validate
-            from .grid import run_grid
             from .models import load_model
 
             cfg = load_config(args.config)
             if args.methods or args.lengths:
                 raw = {k: v for k, v in cfg.items() if k != "hash"}
-                raw["niah"] = {
-                    **cfg["niah"],
+                section = "battery" if cfg["battery"] else "niah"
+                raw[section] = {
+                    **cfg[section],
                     **({"methods": args.methods} if args.methods else {}),
                     **({"lengths": args.lengths} if args.lengths else {}),
                 }
                 cfg = validate(raw, args.config)
-            path = run_grid(cfg, load_model(cfg["model"], device=cfg["device"]))
+            path = run_needles(cfg, load_model(cfg["model"], device=cfg["device"]))
             print(f"results: {path}")
             _report_statuses(cfg)
         elif args.cmd == "reproduce":

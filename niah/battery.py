@@ -1,6 +1,15 @@
 """The needle battery: many scored questions per (method, length) for the price of a few prefills.
 
-One context of the longest length holds, for every length ``L`` of the battery, ``needles`` needles with
+Two designs (``battery.mode``):
+
+* ``single`` (one needle per prompt, the original needle test): each context is a stretch of haystack, and each
+  of its questions gets a prompt of its own with only its needle.  The prompts of one context share their
+  haystack up to the needle, so that prefix is prefilled once and each question pays only for its needle and
+  the text after it (the grid's shared-prefix reuse, :func:`~niah.grid.extend_shared`).  Each question's
+  context is stored once per method.
+* ``multi_key`` (RULER's multi-key needles): one context holds every needle of a context, described below.
+
+In ``multi_key`` mode, one context of the longest length holds, for every length ``L`` of the battery, ``needles`` needles with
 distinct keys at evenly spread depths of its first ``L`` tokens (``nested: false``: one context per length,
 with only its own needles).  Since attention is causal, the first ``L``
 tokens of that context are a context of length ``L`` by themselves: the context is prefilled once, in order,
@@ -19,14 +28,15 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from . import env
-from .grid import Cell, base_row, too_long_reason
+from .grid import Cell, SharedPrompt, base_row, extend_shared, too_long_reason
 from .haystack import TokenHaystack, haystack_text, tokenize_haystack
 from .kv.cache import PackedCache
 from .kv.layout import CacheLayout
@@ -41,7 +51,8 @@ BATTERY_DEFAULTS = {
     "lengths": [4096, 8192, 16384],
     "contexts": 5,  # prefills of the longest length
     "needles": 10,  # questions per length and context
-    "nested": True,  # one context serves every length (False: separate contexts per length, fewer distractors)
+    "mode": "single",  # one needle per prompt; "multi_key": every needle of a context in one prompt (distractors)
+    "nested": True,  # multi_key: one context serves every length (False: separate contexts per length, fewer distractors)
     "methods": None,  # None: niah.methods
     "sliding_layers": "quantize",  # or "fp16": sliding-window layers kept at fp16 (PackedCache)
 }
@@ -52,6 +63,8 @@ def battery_settings(cfg: dict) -> dict:
     unknown = set(s) - set(BATTERY_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown battery setting(s) {sorted(unknown)}; valid: {sorted(BATTERY_DEFAULTS)}")
+    if s["mode"] not in ("single", "multi_key"):
+        raise ValueError(f"unknown battery mode {s['mode']!r}: choose single (one needle per prompt) or multi_key")
     s["lengths"] = sorted(s["lengths"])
     methods = s["methods"] or cfg["niah"]["methods"]
     ref = cfg["niah"]["reference"]
@@ -61,6 +74,11 @@ def battery_settings(cfg: dict) -> dict:
             f"battery: {s['needles']} needles x {len(s['lengths'])} lengths need more distinct keys than the {len(KEY_WORDS)} there are"
         )
     return s
+
+
+def spread_depths(n: int) -> list[float]:
+    """``n`` evenly spread depths from the start (0) to the end (1) of a context."""
+    return [k / (n - 1) for k in range(n)] if n > 1 else [0.5]
 
 
 @dataclass(frozen=True)
@@ -91,14 +109,15 @@ def build_context(
     context: int = 0,
     kind: str = "number",
     style: str = "completion",
+    depths: list[float] | None = None,
 ) -> tuple[list[int], list[Question]]:
     """Ids of one context of ``max(lengths)`` tokens and its questions.
 
-    The needles of length ``L`` go at the last sentence starts before depths ``0, 1/(n-1), ..., 1`` of the first
+    The needles of length ``L`` go at the last sentence starts before ``depths`` (default ``0, 1/(n-1), ..., 1``) of the first
     ``L`` tokens after the intro (so the deepest still fits); a needle that would straddle a length boundary moves just past it, so every
     length's prefix ends in haystack, never in a cut needle.  ``hay`` must hold at least ``max(lengths)`` tokens."""
     keys = rng.sample(KEY_WORDS, needles * len(lengths))
-    depths = [k / (needles - 1) for k in range(needles)] if needles > 1 else [0.5]
+    depths = depths or spread_depths(needles)
     intro = INTRO.format(nouns=NOUN[kind] + "s")
     before, _ = frame(tokenizer, style, intro, "", "")
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) and style == "completion" else []
@@ -158,13 +177,7 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     longest = s["lengths"][-1]
     hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, longest * s["contexts"])
     rng = random.Random(f"{cfg['seed']}/battery")
-    groups = [s["lengths"]] if s["nested"] else [[L] for L in s["lengths"]]
-    contexts = []
-    for lengths in groups:
-        for c in range(s["contexts"]):  # each context from its own stretch of the haystack
-            start = hay.start_before(c * (len(hay.ids) - lengths[-1]) / max(s["contexts"] - 1, 1))
-            sub = TokenHaystack(hay.ids[start:], [p - start for p in hay.starts if p >= start])
-            contexts.append(build_context(lm.tokenizer, sub, lengths, s["needles"], rng, c, kind, style))
+    contexts = _single_prompts(lm, hay, s, rng, kind, style) if s["mode"] == "single" else _multi_key_contexts(lm, hay, s, rng, kind, style)
 
     def row(q: Question, method: str) -> dict:
         return {
@@ -176,39 +189,109 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     def missing(q: Question) -> list[str]:
         return [m for m in methods if table.key(row(q, m)) not in table.done]
 
-    todo = sum(len(missing(q)) for _, qs in contexts for q in qs)
+    questions = [q for _, q in sum(contexts, [])] if s["mode"] == "single" else [q for _, qs in contexts for q in qs]
+    todo = sum(len(missing(q)) for q in questions)
     if not todo:
         return out_path
     torch.set_num_threads(cfg["threads"])
     bar = tqdm(total=todo, desc=f"needle battery [{cfg['name']}]", unit="row", disable=not progress)
-    for ids, questions in contexts:
-        if not any(missing(q) for q in questions):
-            continue
-        cache, done, prefill_s = None, 0, 0.0
+    how = Asking(methods, ref, missing, row, n["max_new_tokens"], s["sliding_layers"])
+    if s["mode"] == "single":
+        for prompts in contexts:
+            _run_single_context(cfg, lm, table, bar, prompts, how)
+    else:
+        _run_multi_key(cfg, lm, table, bar, contexts, s["lengths"], how)
+    bar.close()
+    return out_path
+
+
+@dataclass(frozen=True)
+class Asking:
+    """How a battery asks: its methods (reference first), which rows are still missing, and the row's keys."""
+
+    methods: dict
+    ref: str
+    missing: Callable[[Question], list[str]]
+    row: Callable[[Question, str], dict]
+    max_new: int
+    sliding: str
+
+
+def _stretch(hay: TokenHaystack, c: int, contexts: int, length: int) -> TokenHaystack:
+    """Context ``c``'s own stretch of the haystack (the stretches of ``contexts`` contexts are spread over it)."""
+    start = hay.start_before(c * (len(hay.ids) - length) / max(contexts - 1, 1))
+    return TokenHaystack(hay.ids[start:], [p - start for p in hay.starts if p >= start])
+
+
+def _multi_key_contexts(lm, hay, s: dict, rng, kind: str, style: str) -> list[tuple[list[int], list[Question]]]:
+    groups = [s["lengths"]] if s["nested"] else [[L] for L in s["lengths"]]
+    return [
+        build_context(lm.tokenizer, _stretch(hay, c, s["contexts"], lengths[-1]), lengths, s["needles"], rng, c, kind, style)
+        for lengths in groups
+        for c in range(s["contexts"])
+    ]
+
+
+def _single_prompts(lm, hay, s: dict, rng, kind: str, style: str) -> list[list[tuple[list[int], Question]]]:
+    """Per context, one (ids, question) prompt per needle: ``needles`` spread depths at every length, each prompt on the
+    context's stretch of haystack with only its own needle."""
+    out = []
+    for c in range(s["contexts"]):
+        sub, prompts = _stretch(hay, c, s["contexts"], s["lengths"][-1]), []
         for L in s["lengths"]:
+            for k, d in enumerate(spread_depths(s["needles"])):
+                ids, (q,) = build_context(lm.tokenizer, sub, [L], 1, rng, c, kind, style, depths=[d])
+                prompts.append((ids, replace(q, index=k)))
+        out.append(prompts)
+    return out
+
+
+def _run_single_context(cfg: dict, lm, table, bar, prompts: list[tuple[list[int], Question]], how: Asking) -> None:
+    """One context's single-needle prompts, in needle order: the haystack before each needle is prefilled once (and
+    cropped back to after each question), only the needle and the text after it per question."""
+    chunk = cfg["niah"]["prefill_chunk"]
+    base, base_ids = None, []
+    for ids, q in sorted(prompts, key=lambda p: (p[1].position, p[1].length)):
+        todo = how.missing(q)
+        if not todo or _too_long(cfg, lm, table, bar, [q], how):
+            continue
+        try:
+            base, base_ids = extend_shared(lm.model, base, base_ids, SharedPrompt(ids, q.position), chunk)
+            t0 = time.perf_counter()
+            prefill(lm.model, ids[q.position :], base, chunk)
+            rows = _ask_all(lm, context_states(base), [q], time.perf_counter() - t0, how)
+            if base.is_croppable:
+                base.crop(q.position - len(ids))
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            rows, base, base_ids = [{**how.row(q, m), "status": "oom", "reason": str(err)[:300]} for m in todo], None, []
+        _append(table, bar, rows)
+
+
+def _run_multi_key(cfg: dict, lm, table, bar, contexts: list[tuple[list[int], list[Question]]], lengths: list[int], how: Asking) -> None:
+    """Each multi-key context is prefilled once, in order; its state is taken out as the prefill passes each length."""
+    missing, chunk = how.missing, cfg["niah"]["prefill_chunk"]
+    for ids, questions in contexts:
+        cache, done, prefill_s = None, 0, 0.0
+        for L in lengths:
             qs = [q for q in questions if q.length == L and missing(q)]
-            if not qs:
-                continue
-            reason = too_long_reason(cfg, lm, L + max(len(q.question_ids) + max(len(q.answer_ids), n["max_new_tokens"]) for q in qs))
-            if reason:
-                _append(table, bar, [{**row(q, m), "status": "too_long", "reason": reason} for q in qs for m in missing(q)])
+            if not qs or _too_long(cfg, lm, table, bar, qs, how):
                 continue
             try:
                 t0 = time.perf_counter()
-                cache = prefill(lm.model, ids[done:L], cache, n["prefill_chunk"])
+                cache = prefill(lm.model, ids[done:L], cache, chunk)
                 prefill_s, done = prefill_s + time.perf_counter() - t0, L
-                _append(
-                    table,
-                    bar,
-                    _ask_all(
-                        lm, context_states(cache), methods, ref, qs, missing, row, n["max_new_tokens"], s["sliding_layers"], prefill_s
-                    ),
-                )
+                _append(table, bar, _ask_all(lm, context_states(cache), qs, prefill_s, how))
             except (torch.OutOfMemoryError, MemoryError) as err:
-                _append(table, bar, [{**row(q, m), "status": "oom", "reason": str(err)[:300]} for q in qs for m in missing(q)])
+                _append(table, bar, [{**how.row(q, m), "status": "oom", "reason": str(err)[:300]} for q in qs for m in missing(q)])
                 break
-    bar.close()
-    return out_path
+
+
+def _too_long(cfg: dict, lm, table, bar, qs: list[Question], how: Asking) -> bool:
+    """Write too_long rows for ``qs`` (and say True) when their context, question and answer exceed the model's limit."""
+    reason = too_long_reason(cfg, lm, qs[0].length + max(len(q.question_ids) + max(len(q.answer_ids), how.max_new) for q in qs))
+    if reason:
+        _append(table, bar, [{**how.row(q, m), "status": "too_long", "reason": reason} for q in qs for m in how.missing(q)])
+    return bool(reason)
 
 
 def _append(table: ResultsTable, bar, rows: list[dict]) -> None:
@@ -217,11 +300,10 @@ def _append(table: ResultsTable, bar, rows: list[dict]) -> None:
     bar.update(len(rows))
 
 
-def _ask_all(
-    lm, states, methods: dict, ref: str, qs: list[Question], missing, row, max_new: int, sliding: str, prefill_s: float
-) -> list[dict]:
-    """Store ``states`` once per method and ask every question of ``qs`` over a clone of it (the reference first,
-    whose answer logits the others' KL is taken against)."""
+def _ask_all(lm, states, qs: list[Question], prefill_s: float, how: Asking) -> list[dict]:
+    """Store ``states`` once per method and ask every question of ``qs`` over it (over a clone where there are
+    several; the reference first, whose answer logits the others' KL is taken against)."""
+    methods, ref, missing, row, sliding = how.methods, how.ref, how.missing, how.row, how.sliding
     values, rows, ref_logsm = kv_entries(states), [], {}
     todo = {m for q in qs for m in missing(q)}
     for name in [ref, *(m for m in methods if m != ref and m in todo)]:
@@ -231,7 +313,8 @@ def _ask_all(
         stored.dequantize_now()
         nbytes = stored.nbytes()
         for q in qs:
-            ans = ask(lm.model, lm.tokenizer, stored.clone(), list(q.question_ids), list(q.answer_ids), max_new)
+            cache = stored.clone() if len(qs) > 1 else stored
+            ans = ask(lm.model, lm.tokenizer, cache, list(q.question_ids), list(q.answer_ids), how.max_new)
             if name == ref:
                 ref_logsm[q] = ans.answer_logsoftmax
             if name not in missing(q):

@@ -108,7 +108,7 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
                 bar.update(len(todo_methods))
                 continue
             try:
-                base, base_ids = _extend_shared(loaded.model, base, base_ids, p, n["prefill_chunk"])
+                base, base_ids = extend_shared(loaded.model, base, base_ids, p, n["prefill_chunk"])
                 rows = _run_cell(cfg, loaded, base, len(base_ids), p, methods, todo_methods, cell)
             except (torch.OutOfMemoryError, MemoryError) as err:
                 rows = [{**base_row(cfg, loaded.name, cell, m), "status": "oom", "reason": str(err)[:300]} for m in todo_methods]
@@ -120,7 +120,15 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
     return out_path
 
 
-def _extend_shared(model, base, base_ids, p: CellPrompt, chunk: int):
+@dataclass(frozen=True)
+class SharedPrompt:
+    """What :func:`extend_shared` reads of a prompt: its ids, and how many leading ones it shares with the others."""
+
+    prefill_ids: list[int]
+    shared_prefix: int
+
+
+def extend_shared(model, base, base_ids, p: CellPrompt | SharedPrompt, chunk: int):
     """Grow the shared-prefix cache to this cell's shared prefix (restart it if it is not a prefix, or if the
     last cell's tokens could not be cropped off: linear-attention states cannot be rolled back).  Its sliding
     layers record their past, so that :meth:`~transformers.Cache.crop` can take a cell's tokens off them."""

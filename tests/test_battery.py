@@ -38,7 +38,8 @@ def test_a_nested_context_holds_every_lengths_needles_inside_its_prefix(tiny):
 
 
 def _battery_cfg(smoke_with, **settings):
-    return smoke_with("battery", **{"lengths": [512, 1024], "contexts": 2, "needles": 2, "methods": ["fp16", "q8_0", "turbo3"], **settings})
+    settings = {"lengths": [512, 1024], "contexts": 2, "needles": 2, "methods": ["fp16", "q8_0", "turbo3"], "mode": "multi_key", **settings}
+    return smoke_with("battery", **settings)
 
 
 def test_every_question_gets_a_row_per_method_and_a_killed_run_resumes(tmp_path, smoke_with, tiny, killed_after):
@@ -80,9 +81,36 @@ def test_a_hybrid_model_runs_the_battery_and_reports_bytes_per_layer_type(tmp_pa
     assert (df["kv_bytes"] == df["kv_bytes_full_attention"] + sliding).all()
 
 
+def test_single_needle_prompts_hold_one_needle_and_match_a_fresh_prefill(tmp_path, smoke_with, tiny):
+    cfg = _battery_cfg(smoke_with, mode="single", needles=3, methods=["fp16", "q4_0"])
+    path = tmp_path / "single.jsonl"
+    df = _frame(run_battery(cfg, tiny, path, progress=False))
+    assert len(df) == 2 * 2 * 3 * 2 and (df["status"] == "ok").all()
+    assert not df.duplicated(["length", "depth", "trial", "method"]).any()
+    assert sorted(df["depth"].unique()) == pytest.approx([0, 0.5, 1])
+    assert (df[df["method"] == "q4_0"]["kl_vs_ref"] > 0).all()
+    # a prompt holds only its own needle, and the shared-prefix reuse reads what a fresh prefill of that prompt reads
+    from niah.battery import _single_prompts
+    from niah.kv.cache import PackedCache
+    from niah.kv.registry import get_method
+    from niah.protocol import ask, context_states, prefill
+
+    hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 1024 * 2)
+    s = battery_settings(cfg)
+    prompts = _single_prompts(tiny, hay, s, random.Random(f"{cfg['seed']}/battery"), "number", "completion")
+    ids, q = prompts[1][-1]
+    assert tiny.tokenizer.decode(ids).count("special magic number") == 2  # the intro's and the needle's
+    fresh = PackedCache.from_states(context_states(prefill(tiny.model, ids, chunk=100)), get_method("fp16"))
+    ans = ask(tiny.model, tiny.tokenizer, fresh, list(q.question_ids), list(q.answer_ids), 4)
+    got = df[(df["method"] == "fp16") & (df["trial"] == q.trial) & (df["length"] == q.length)]["answer_logprob"]
+    assert got.item() == pytest.approx(ans.answer_logprob, abs=1e-3)
+
+
 def test_bad_battery_settings_and_windows_longer_than_the_context_say_so(tmp_path, smoke_with, hybrid):
     with pytest.raises(ValueError, match="unknown battery setting"):
         battery_settings(_battery_cfg(smoke_with, needle=3))
+    with pytest.raises(ValueError, match="unknown battery mode"):
+        battery_settings(_battery_cfg(smoke_with, mode="many"))
     with pytest.raises(ValueError, match="do not fit"):
         build_context(hybrid.tokenizer, tokenize_haystack(haystack_text("pydoc"), hybrid.tokenizer, 3000), [256], 6, random.Random(0))
     if hybrid.model.config.model_type == "gemma3_text":
