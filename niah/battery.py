@@ -163,6 +163,28 @@ def build_context(
     return out, sorted(questions, key=lambda q: (q.length, q.index))
 
 
+def battery_contexts(cfg: dict, lm, s: dict | None = None) -> list:
+    """The battery's contexts, built from the config's seed: in ``single`` mode, per context a list of
+    ``(ids, question)`` prompts; in ``multi_key`` mode, ``(ids, questions)`` per context."""
+    s = s or battery_settings(cfg)
+    n = cfg["niah"]
+    style, kind = n["prompt_styles"][0], n["needle"]["kind"]
+    hay = tokenize_haystack(
+        haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, s["lengths"][-1] * s["contexts"]
+    )
+    rng = random.Random(f"{cfg['seed']}/battery")
+    return _single_prompts(lm, hay, s, rng, kind, style) if s["mode"] == "single" else _multi_key_contexts(lm, hay, s, rng, kind, style)
+
+
+def question_prompts(cfg: dict, lm) -> list[tuple[list[int], Question]]:
+    """Every battery question with the ids of its own context (``multi_key``: its context's first ``length`` ids)."""
+    s = battery_settings(cfg)
+    contexts = battery_contexts(cfg, lm, s)
+    if s["mode"] == "single":
+        return [p for prompts in contexts for p in prompts]
+    return [(ids[: q.length], q) for ids, qs in contexts for q in qs]
+
+
 def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = True) -> Path:
     """Run every missing (question, method) row of the config's battery; return the results table's path."""
     s = battery_settings(cfg)
@@ -173,11 +195,8 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
     CacheLayout.from_config(lm.model.config).check_context(s["lengths"][0], lm.name)
-    style, kind, ref = n["prompt_styles"][0], n["needle"]["kind"], n["reference"]
-    longest = s["lengths"][-1]
-    hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, longest * s["contexts"])
-    rng = random.Random(f"{cfg['seed']}/battery")
-    contexts = _single_prompts(lm, hay, s, rng, kind, style) if s["mode"] == "single" else _multi_key_contexts(lm, hay, s, rng, kind, style)
+    style, ref = n["prompt_styles"][0], n["reference"]
+    contexts = battery_contexts(cfg, lm, s)
 
     def row(q: Question, method: str) -> dict:
         return {

@@ -57,6 +57,7 @@ class Evidence:
     kv_ppl: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.kvppl rows
     cold_warm: dict | None = None
     kv_value_share: float | None = None  # share of real K and V values within [-6, 6]
+    llamacpp: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.llamacpp rows (llama.cpp's own caches)
 
     def niah_method(self, method: str) -> pd.DataFrame:
         df = self.niah
@@ -125,6 +126,41 @@ def _drop_verdict(d: dict, threshold: float, claim_holds_above: bool) -> tuple[s
     return verdict, f"n={d['n']}, accuracy drop {d['drop']:.2f} [{d['drop_low']:.2f}, {d['drop_high']:.2f}]"
 
 
+def _llamacpp_note(ev: Evidence, what: str) -> str:
+    """One clause of llama.cpp's own evidence for a claim (empty when the cross-check did not run): ``what`` is
+    ``accuracy`` (q8_0 and q4_0 against llama.cpp's f16 on the same questions), ``kl``, ``decode`` or ``memory``."""
+    df = ev.llamacpp
+    if not len(df) or "lcpp_f16" not in set(df["method"]):
+        return ""
+    from .llamacpp import speed_table
+
+    ok = df[df["status"] == "ok"]
+    if what == "accuracy":
+        t = paired_table(ok, "lcpp_f16", by=()).set_index("method")
+        parts = [
+            f"{m} {t.loc[m, 'accuracy']:.2f} vs f16 {t.loc[m, 'ref_accuracy']:.2f} (McNemar p = {t.loc[m, 'p']:.2g})"
+            for m in t.index
+            if m != "lcpp_f16"
+        ]
+        body = ", ".join(parts)
+    elif what == "kl":
+        q8 = ok[ok["method"] == "lcpp_q8_0"]["kl_vs_ref"]
+        kl, lo, hi = paired_bootstrap(q8)
+        body = f"mean KL(f16 || q8_0) = {kl:.2e} [{lo:.2e}, {hi:.2e}]"
+    else:
+        sp = speed_table(ok).set_index(["method", "length"])
+        L = sp.index.get_level_values("length").max()
+        if ("lcpp_q8_0", L) not in sp.index:
+            return ""
+        row, f16 = sp.loc[("lcpp_q8_0", L)], sp.loc[("lcpp_f16", L)]
+        body = (
+            f"q8_0 / f16 decode time per token = {row['decode_vs_f16']:.2f} at {L} tokens (medians of {int(row['n'])} questions)"
+            if what == "decode"
+            else f"session state at {L} tokens: q8_0 {row['state_mib']:.1f} MiB, f16 {f16['state_mib']:.1f} MiB"
+        )
+    return f"; llama.cpp itself (same GGUF and token ids, {int((ok['method'] == 'lcpp_f16').sum())} questions): {body}"
+
+
 def _drop_text(method: str, d: dict) -> str:
     return (
         f"{method} accuracy {d['accuracy']:.2f} [{d['ci_low']:.2f}, {d['ci_high']:.2f}] vs fp16 {d['ref_accuracy']:.2f} on the same "
@@ -164,7 +200,7 @@ def s0_2(ev):
     p = get_method("q8_0").key.quantize(x)
     per = x.numel() / p.tensors["scales"].numel()
     return (
-        f"our q8_0 (bit-exact with gguf.quants, see tests) keeps one fp16 scale per {per:.0f} values",
+        f"our q8_0 (bit-exact with gguf.quants, see tests) keeps one fp16 scale per {per:.0f} values" + _llamacpp_note(ev, "memory"),
         "refuted" if per < x.numel() else "supported",
     )
 
@@ -180,7 +216,9 @@ def s0_3(ev):
     q8_bits = float(q8["bits_per_value"].mean())
     change = q8_bits / q4k_bits - 1
     verdict = "supported" if -0.22 <= change <= -0.12 else "refuted"
-    return f"q8_0 stores {q8_bits:.2f} bits/value, q4_K {q4k_bits:.2f}: q8_0 uses {change:+.0%} memory", verdict
+    return f"q8_0 stores {q8_bits:.2f} bits/value, q4_K {q4k_bits:.2f}: q8_0 uses {change:+.0%} memory" + _llamacpp_note(
+        ev, "memory"
+    ), verdict
 
 
 def s0_4(ev):
@@ -221,7 +259,7 @@ def s0_7(ev):
     d = _drops(ev, "q8_0", "q4_0")
     if d is None:
         return _missing("fp16, q8_0 and q4_0 needle rows")
-    measured = "; ".join(_drop_text(m, d[m]) for m in d) + f" ({ev.niah['needle_kind'].iloc[0]} needles)"
+    measured = "; ".join(_drop_text(m, d[m]) for m in d) + f" ({ev.niah['needle_kind'].iloc[0]} needles)" + _llamacpp_note(ev, "accuracy")
     parts = {"q8_0 keeps accuracy": _drop_verdict(d["q8_0"], 0.05, False), "q4_0 collapses it": _drop_verdict(d["q4_0"], 0.3, True)}
     return measured, _combine(parts)
 
@@ -306,7 +344,7 @@ def s0_13(ev):
         f"q8_0 TPOT / fp16 TPOT at {L} tokens = {ratio:.2f}"
         + (f" [{lo:.2f}, {hi:.2f}] (95% bootstrap over rounds)" if spread else "")
         + f", median of {rounds} paired rounds, against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel); "
-        "q8_0 is attended from its codes"
+        "q8_0 is attended from its codes" + _llamacpp_note(ev, "decode")
     )
     if not spread:
         return measured, "inconclusive (no spread measured: one median ratio per step)"
@@ -321,7 +359,7 @@ def s0_14(ev):
     kl, lo, hi = paired_bootstrap(per_question)
     measured = (
         f"mean KL(fp16 || q8_0) over answer positions = {kl:.2e} [{lo:.2e}, {hi:.2e}] (95% bootstrap over {len(per_question)} questions), "
-        f"top-1 agreement {q8['top1_vs_ref'].mean():.3f}"
+        f"top-1 agreement {q8['top1_vs_ref'].mean():.3f}" + _llamacpp_note(ev, "kl")
     )
     return measured, _single(interval_verdict(lo, hi, 0.05, False), f"n={len(per_question)}, mean KL {kl:.3f} [{lo:.3f}, {hi:.3f}]")
 
@@ -701,4 +739,5 @@ def gather_evidence(run, kv_value_share: float | None = None) -> Evidence:
         kv_ppl=run.rows("kv_perplexity"),
         cold_warm=json.loads(run.cold_warm.read_text()) if run.cold_warm.exists() else None,
         kv_value_share=kv_value_share,
+        llamacpp=run.rows("llamacpp"),
     )

@@ -101,6 +101,7 @@ def validate(raw: dict, where: str = "config") -> dict:
             "weightquant": {},
             "kv_perplexity": {},
             "battery": {},
+            "llamacpp": {},
             "weight_model": None,
         },
         raw,
@@ -180,6 +181,7 @@ def _check_sections(cfg: dict, where: str) -> None:
     from .battery import battery_settings
     from .kv.registry import get_method
     from .kvppl import kv_perplexity_settings
+    from .llamacpp import llamacpp_settings
     from .sweep import sweep_settings
     from .weightquant.settings import settings as weightquant_settings
 
@@ -189,6 +191,7 @@ def _check_sections(cfg: dict, where: str) -> None:
             ("sweep", sweep_settings),
             ("kv_perplexity", kv_perplexity_settings),
             ("weightquant", weightquant_settings),
+            ("llamacpp", llamacpp_settings),
         ):
             if not isinstance(cfg[section], dict):
                 raise ConfigError(f"{section} must be a mapping of settings; got {cfg[section]!r}")

@@ -108,7 +108,8 @@ def _verified(path: Path, want: str, stamp: Path) -> bool:
     return True
 
 
-def _verified_gguf(spec: dict) -> Path:
+def verified_gguf(spec: dict) -> Path:
+    """The GGUF file of a ``package`` or ``assembled`` model spec, checked against its sha256."""
     path = _assembled_file(spec["package"]) if spec["source"] == "assembled" else _package_file(spec["package"], spec["file"])
     want = spec["sha256"]
     if not _verified(path, want, path.with_name(path.name + ".sha256-ok")):
@@ -139,7 +140,7 @@ def _converted_folder(spec: dict) -> Path:
         return folder
     if folder.exists():  # converted by an older version, without a recorded hash: convert again
         shutil.rmtree(folder)
-    gguf = _verified_gguf(spec)
+    gguf = verified_gguf(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -66,6 +66,13 @@ TABLES = {
         ("weightquant.kv_methods",),
         ("answer_logprob",),
     ),
+    "llamacpp": TableKind(
+        "llamacpp_results.jsonl",
+        NEEDLE_KEY,
+        (*COMMON, "threads", "niah", "battery", "llamacpp"),
+        ("niah.methods", "niah.lengths", "niah.depths", "niah.trials", "battery.methods", "llamacpp.kv", "llamacpp.rotation"),
+        ("answer_logprob", "kl_vs_ref"),
+    ),
 }
 
 

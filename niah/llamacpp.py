@@ -1,0 +1,304 @@
+"""llama.cpp side by side: the needle battery's questions run through llama.cpp itself (the ``[llamacpp]`` extra).
+
+Seed 000 is about llama.cpp's own KV cache types (``-ctk/-ctv q8_0``).  This module runs the same GGUF file that
+this repo dequantizes for transformers, on the same token ids (the battery's prompts, built with the tokenizer
+read from that GGUF), with llama.cpp's cache types f16, q8_0 and q4_0.  Since llama.cpp PR #21038 a quantized
+cache is rotated (a Hadamard transform of Q, K and V before the cache), so each quantized type runs with the
+rotation and without it (``LLAMA_ATTN_ROT_DISABLE=1``, which the vendored build reads when a context is made).
+
+Per question and cache type (``method`` ``lcpp_<type>``, ``lcpp_<type>_norot`` without the rotation) a row holds
+the greedy answer and its score, the teacher-forced answer log-prob and the answer-position log-softmax's KL and
+top-1 agreement against llama.cpp's own f16 cache (the same way :func:`~niah.protocol.compare_logits` scores this
+repo's methods), and the prefill and decode speed.  Flash attention is on for every type (llama.cpp needs it for
+a quantized V cache), so the f16 reference runs the same attention kernel as the others.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .battery import battery_settings, question_prompts
+from .grid import Cell, base_row, too_long_reason
+from .models import ModelUnavailable, verified_gguf
+from .protocol import Answer, compare_logits
+from .rundir import RunDir, open_table
+from .scoring import string_match_all
+
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # GGML type ids, as llama.cpp's type_k / type_v take them
+ROTATION_OFF = "LLAMA_ATTN_ROT_DISABLE"
+DECODE_STEPS = 8  # timed greedy steps per question, at the context's length
+INSTALL = "pip install -e '.[llamacpp]' (or `make setup-llamacpp`; it builds llama.cpp from source, about 20 minutes on 2 cores)"
+
+LLAMACPP_DEFAULTS = {
+    "lengths": None,  # battery lengths to ask at; None: the battery's shortest
+    "contexts": 1,  # the battery's first contexts: 5 questions per length in the cpu config (an anecdote; raise it where time allows)
+    "kv": ["f16", "q8_0", "q4_0"],
+    "rotation": [True, False],  # quantized types with llama.cpp's rotation and without it
+}
+
+
+def llamacpp_settings(cfg: dict) -> dict:
+    s = {**LLAMACPP_DEFAULTS, **(cfg.get("llamacpp") or {})}
+    unknown = set(s) - set(LLAMACPP_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown llamacpp setting(s) {sorted(unknown)}; valid: {sorted(LLAMACPP_DEFAULTS)}")
+    bad = [k for k in s["kv"] if k not in KV_TYPES]
+    if bad:
+        raise ValueError(f"unknown llama.cpp cache type(s) {bad}; choose from {', '.join(KV_TYPES)}")
+    if "f16" not in s["kv"]:
+        raise ValueError("llamacpp.kv must include f16: it is the reference the other cache types are compared with")
+    return s
+
+
+def installed() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def variants(s: dict) -> list[tuple[str, str, bool]]:
+    """(method name, cache type, rotation) per run, the f16 reference first (f16 is never rotated)."""
+    out = [("lcpp_f16", "f16", False)]
+    for kv in s["kv"]:
+        if kv != "f16":
+            out += [(f"lcpp_{kv}" + ("" if rot else "_norot"), kv, rot) for rot in s["rotation"]]
+    return out
+
+
+def open_llama(gguf: Path, n_ctx: int, kv: str, rotation: bool, threads: int):
+    """A llama.cpp context on ``gguf`` with cache type ``kv`` for K and V, flash attention, ``rotation`` on or off."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ModelUnavailable(f"llama-cpp-python is not installed: {INSTALL}") from None
+    if rotation:
+        os.environ.pop(ROTATION_OFF, None)
+    else:
+        os.environ[ROTATION_OFF] = "1"
+    try:
+        return llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            type_k=KV_TYPES[kv],
+            type_v=KV_TYPES[kv],
+            flash_attn=True,
+            logits_all=False,
+            verbose=False,
+        )
+    finally:
+        os.environ.pop(ROTATION_OFF, None)
+
+
+def _last_logits(llm) -> torch.Tensor:
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy())
+
+
+def ask_llama(llm, ids: list[int], question_ids: list[int], answer_ids: list[int], max_new_tokens: int, eos: int, decode) -> tuple:
+    """Context and question through ``llm``, the expected answer teacher-forced one token at a time, then greedy decoding
+    from the first token where the argmax leaves the answer (as :func:`niah.protocol.ask` does, so the answer texts
+    compare).  Returns ``(answer, prefill_s)``; ``answer.question_s`` is the prefill of context and question together."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(list(ids) + list(question_ids))
+    prefill_s = time.perf_counter() - t0
+    base, rows = llm.n_tokens, [_last_logits(llm)]
+    for tok in answer_ids[:-1]:
+        llm.eval([tok])
+        rows.append(_last_logits(llm))
+    logsm = torch.log_softmax(torch.stack(rows).float(), dim=-1)
+    target = torch.tensor(answer_ids)
+    answer_logprob = logsm.gather(1, target[:, None]).sum().item()
+    agree = (logsm.argmax(-1) == target).int()
+    j = int(agree.cumprod(0).sum())
+    if j == len(answer_ids):
+        return Answer(decode(answer_ids), answer_logprob, logsm, float("nan"), prefill_s), prefill_s
+    llm.n_tokens = base + j  # the next eval drops the cache from here
+    generated = list(answer_ids[:j]) + [int(logsm[j].argmax())]
+    t1 = time.perf_counter()
+    while len(generated) < max_new_tokens and generated[-1] != eos and "\n" not in decode(generated).strip(" "):
+        llm.eval([generated[-1]])
+        generated.append(int(_last_logits(llm).argmax()))
+    steps = len(generated) - j - 1
+    decode_s = (time.perf_counter() - t1) / steps if steps else float("nan")
+    return Answer(decode(generated), answer_logprob, logsm, decode_s, prefill_s), prefill_s
+
+
+def state_size(llm) -> int:
+    """Bytes of llama.cpp's session state now (its KV cache at the tokens evaluated, plus the last logits): at the same
+    tokens, the difference between two cache types is the difference of their caches."""
+    import llama_cpp
+
+    return int(llama_cpp.llama_state_get_size(llm.ctx))
+
+
+def time_decode(llm, first_token: int, steps: int) -> float:
+    """Seconds per greedy decode step over ``steps`` steps from where ``llm`` stands (its cache at the context's length)."""
+    token, t0 = first_token, time.perf_counter()
+    for _ in range(steps):
+        llm.eval([token])
+        token = int(_last_logits(llm).argmax())
+    return (time.perf_counter() - t0) / steps
+
+
+def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = True) -> Path:
+    """Every missing (question, cache type) row of the config's llama.cpp cross-check; return the table's path.
+
+    ``lm`` is the transformers model of the same GGUF (its tokenizer builds the prompts)."""
+    s = llamacpp_settings(cfg)
+    battery_lengths = battery_settings(cfg)["lengths"]
+    lengths = s["lengths"] or battery_lengths[:1]
+    if not set(lengths) <= set(battery_lengths):
+        raise ValueError(f"llamacpp.lengths {lengths} must be lengths of the battery ({battery_lengths}): it asks the battery's questions")
+    gguf = verified_gguf(cfg["model"])
+    out_path = out_path or RunDir(cfg).file("llamacpp")
+    table = open_table(cfg, "llamacpp", out_path)
+    style, max_new = cfg["niah"]["prompt_styles"][0], cfg["niah"]["max_new_tokens"]
+    prompts = [(ids, q) for ids, q in question_prompts(cfg, lm) if q.length in lengths and q.context < s["contexts"]]
+    runs = variants(s)
+
+    def row(q, method):
+        return {**base_row(cfg, lm.name, Cell(style, q.length, round(q.depth, 4), q.trial), method), "context": q.context}
+
+    todo = [(name, kv, rot) for name, kv, rot in runs if any(table.key(row(q, name)) not in table.done for _, q in prompts)]
+    if not todo:
+        return out_path
+    n_ctx = max(len(ids) + len(q.question_ids) + max(len(q.answer_ids), max_new) for ids, q in prompts) + 8
+    reason = too_long_reason(cfg, lm, n_ctx - 8)
+    if reason:
+        raise ValueError(f"llamacpp: {reason}")
+    bar = tqdm(total=len(prompts) * len(todo), desc=f"llama.cpp [{cfg['name']}]", unit="row", disable=not progress)
+    ref = {}
+    decode = lambda t: lm.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    for name, kv, rot in [runs[0], *(r for r in todo if r != runs[0])]:
+        llm = open_llama(gguf, n_ctx, kv, rot, cfg["threads"])
+        try:
+            for ids, q in prompts:
+                needed = table.key(row(q, name)) not in table.done
+                if name != runs[0][0] and not needed:
+                    bar.update(1)
+                    continue
+                ans, prefill_s = ask_llama(llm, ids, q.question_ids, q.answer_ids, max_new, lm.tokenizer.eos_token_id, decode)
+                state_bytes = state_size(llm)
+                decode_s = time_decode(llm, q.answer_ids[0], DECODE_STEPS)
+                if name == runs[0][0]:
+                    ref[q] = ans.answer_logsoftmax
+                if needed:
+                    kl, top1 = compare_logits(ref[q], ans.answer_logsoftmax)
+                    table.append(
+                        {
+                            **row(q, name),
+                            "status": "ok",
+                            "reason": "",
+                            "kv_type": kv,
+                            "rotation": rot,
+                            "context_tokens": q.length,
+                            "expected": [q.value],
+                            "generated": ans.text,
+                            "score": string_match_all(ans.text, [q.value]),
+                            "answer_logprob": ans.answer_logprob,
+                            "kl_vs_ref": kl,
+                            "top1_vs_ref": top1,
+                            "prefill_s": prefill_s,
+                            "prefill_tokens_per_s": (len(ids) + len(q.question_ids)) / prefill_s,
+                            "decode_s_per_token": decode_s,
+                            "state_bytes": state_bytes,
+                        }
+                    )
+                bar.update(1)
+        finally:
+            llm.close()
+    bar.close()
+    return out_path
+
+
+ENGINE_PAIRS = {"lcpp_f16": "fp16", "lcpp_q8_0": "q8_0", "lcpp_q4_0": "q4_0", "lcpp_q8_0_norot": "q8_0", "lcpp_q4_0_norot": "q4_0"}
+
+
+def agreement_table(lcpp, ours):
+    """llama.cpp against this repo on the same questions, per llama.cpp method and length.
+
+    ``lcpp``: llama.cpp rows; ``ours``: this repo's needle rows.  Columns: ``n`` paired questions, both engines'
+    accuracy, the share of questions whose scores agree and whose greedy answers are the same text, the mean answer
+    log-prob difference (llama.cpp - this repo) with its paired bootstrap interval, McNemar's p of each engine against
+    its own f16, and each engine's mean KL against its own f16."""
+    import pandas as pd
+
+    from .stats import PAIR_KEY, mcnemar_exact, paired_bootstrap
+
+    ok_l, ok_o = lcpp[lcpp["status"] == "ok"], ours[ours["status"] == "ok"]
+    keys = list(PAIR_KEY)
+    l_ref, o_ref = ok_l[ok_l["method"] == "lcpp_f16"].set_index(keys), ok_o[ok_o["method"] == "fp16"].set_index(keys)
+    rows = []
+    for (method, length), g in ok_l.groupby(["method", "length"], sort=False):
+        mine = ok_o[ok_o["method"] == ENGINE_PAIRS.get(method, "")].set_index(keys)
+        g = g.set_index(keys)
+        both = g.index.intersection(mine.index).intersection(l_ref.index).intersection(o_ref.index)
+        if not len(both):
+            continue
+        a, b = g.loc[both], mine.loc[both]
+        d, lo, hi = paired_bootstrap(a["answer_logprob"].to_numpy() - b["answer_logprob"].to_numpy())
+        rows.append(
+            {
+                "llama.cpp": method,
+                "this repo": ENGINE_PAIRS[method],
+                "length": length,
+                "n": len(both),
+                "accuracy llama.cpp": (a["score"] >= 1).mean(),
+                "accuracy this repo": (b["score"] >= 1).mean(),
+                "scores agree": ((a["score"] >= 1) == (b["score"] >= 1)).mean(),
+                "same answer text": (a["generated"].str.strip() == b["generated"].str.strip()).mean(),
+                "logprob diff": d,
+                "logprob low": lo,
+                "logprob high": hi,
+                "McNemar p llama.cpp vs its f16": mcnemar_exact(l_ref.loc[both, "score"] >= 1, a["score"] >= 1)["p"],
+                "McNemar p this repo vs its fp16": mcnemar_exact(o_ref.loc[both, "score"] >= 1, b["score"] >= 1)["p"],
+                "KL llama.cpp": a["kl_vs_ref"].mean(),
+                "KL this repo": b["kl_vs_ref"].mean(),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def speed_table(lcpp):
+    """llama.cpp's prefill tokens/s, decode s/token and session state MiB per method and length (medians over its
+    questions), and the speed ratios to f16 measured in the same run."""
+    ok = lcpp[lcpp["status"] == "ok"]
+    t = ok.groupby(["method", "length"]).agg(
+        n=("score", "size"),
+        prefill_tok_s=("prefill_tokens_per_s", "median"),
+        decode_s=("decode_s_per_token", "median"),
+        state_mib=("state_bytes", lambda b: b.median() / 2**20),
+    )
+    f16 = t.xs("lcpp_f16", level="method")
+    t["prefill_vs_f16"] = t["prefill_tok_s"] / t.index.get_level_values("length").map(f16["prefill_tok_s"]).to_numpy()
+    t["decode_vs_f16"] = t["decode_s"] / t.index.get_level_values("length").map(f16["decode_s"]).to_numpy()
+    return t.reset_index()
+
+
+def cross_check(cfg: dict, lm, run) -> dict | None:
+    """Notebook 03's llama.cpp section: run (or resume) the cross-check and return its tables, or say why it cannot run."""
+    if not installed():
+        print(f"llama.cpp cross-check skipped: llama-cpp-python is not installed. To run it: {INSTALL}, then run the chain again.")
+        return None
+    if cfg["model"]["source"] not in ("package", "assembled"):
+        print(
+            f"llama.cpp cross-check skipped: it needs the model as a GGUF file (source package or assembled), not {cfg['model']['source']}."
+        )
+        return None
+    run_llamacpp(cfg, lm, run.file("llamacpp"))
+    lcpp = run.rows("llamacpp")
+    return {"agreement": agreement_table(lcpp, run.rows("needles")), "speed": speed_table(lcpp)}
