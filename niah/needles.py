@@ -31,7 +31,10 @@ VARIANTS = ("single", "multi_key", "multi_value", "multi_query")
 INTRO = "Some {nouns} are hidden within the following text. Make sure to memorize them. I will quiz you about them afterwards.\n"
 NEEDLE = " One of the {noun}s for {key} is: {value}."
 QUESTION = "\nWhat {be} the {noun}{s} for {keys} mentioned in the provided text?"
-ANSWER_PREFIX = " The {noun}{s} for {keys} mentioned in the provided text {be}"
+# RULER's answer prefix ends at "is"; the needle reads "is: <value>", so models first write ":" there and the
+# teacher-forced value was scored at a position the model never puts it.  Ending the prefix as the needle does lets
+# the answer follow directly (log-prob of the value itself, and no decode steps when the answer is right).
+ANSWER_PREFIX = " The {noun}{s} for {keys} mentioned in the provided text {be}:"
 
 
 @dataclass
