@@ -47,9 +47,11 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
         t0 = time.perf_counter()
         papermill.execute_notebook(str(nb), str(out / nb.name), parameters=params, cwd=str(NOTEBOOKS), progress_bar=False, log_output=True)
         times[nb.name] = round(time.perf_counter() - t0, 1)
-    times["total"] = round(sum(times.values()), 1)
-    # a partial rerun must not overwrite the whole chain's wall times
-    (out / ("timing_partial.json" if only else "timing.json")).write_text(json.dumps(times, indent=1))
+    target = out / ("timing_partial.json" if only else "timing.json")  # a partial rerun never overwrites the chain's
+    if only and target.exists():  # partial runs add up: each notebook's latest time
+        times = {**{k: v for k, v in json.loads(target.read_text()).items() if k != "total"}, **times}
+    times["total"] = round(sum(v for k, v in times.items() if k != "total"), 1)
+    target.write_text(json.dumps(times, indent=1))
     if not only:
         from .summary import NoResults, summary_markdown
 

@@ -40,9 +40,12 @@ def _header(run: RunDir, ok: pd.DataFrame) -> str:
         if env
         else "not recorded"
     )
-    timing = json.loads(run.timing.read_text()) if run.timing.exists() else {}
-    per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in timing.items() if k != "total")
-    wall = f"{timing['total'] / 60:.1f} min of notebooks ({per_nb})" if timing else "not recorded (no timing.json)"
+    partial = run.path / "timing_partial.json"
+    source = run.timing if run.timing.exists() else partial
+    timing = json.loads(source.read_text()) if source.exists() else {}
+    per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in sorted(timing.items()) if k != "total")
+    how = "" if source == run.timing else ", summed over separate `--only` runs"
+    wall = f"{timing['total'] / 60:.1f} min of notebooks ({per_nb}{how})" if timing else "not recorded (no timing.json)"
     return (
         f"Config `{run.cfg['name']}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
         f"last row {ok['time'].max()}; machine: {machine}; chain wall time: {wall}."
