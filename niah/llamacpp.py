@@ -28,7 +28,7 @@ from .grid import Cell, base_row, too_long_reason
 from .models import ModelUnavailable, verified_gguf
 from .protocol import Answer, compare_logits
 from .rundir import RunDir, open_table
-from .scoring import string_match_all
+from .scoring import answer_ended, string_match_all
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # GGML type ids, as llama.cpp's type_k / type_v take them
 ROTATION_OFF = "LLAMA_ATTN_ROT_DISABLE"
@@ -129,7 +129,7 @@ def ask_llama(llm, ids: list[int], question_ids: list[int], answer_ids: list[int
     llm.n_tokens = base + j  # the next eval drops the cache from here
     generated = list(answer_ids[:j]) + [int(logsm[j].argmax())]
     t1 = time.perf_counter()
-    while len(generated) < max_new_tokens and generated[-1] != eos and "\n" not in decode(generated).strip(" "):
+    while len(generated) < max_new_tokens and generated[-1] != eos and not answer_ended(decode(generated)):
         llm.eval([generated[-1]])
         generated.append(int(_last_logits(llm).argmax()))
     steps = len(generated) - j - 1

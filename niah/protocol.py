@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from .kv.cache import LayerState, PackedCache
 from .kv.layout import FULL, LINEAR, SLIDING, UnsupportedLayout
 from .kv.registry import KVMethod
-from .scoring import string_match_all
+from .scoring import answer_ended, string_match_all
 
 
 @torch.no_grad()
@@ -109,7 +109,7 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     generated = answer_ids[:j] + [int(logits[j].argmax())]
     t1 = time.perf_counter()
     while len(generated) < max_new_tokens and generated[-1] != tokenizer.eos_token_id:
-        if "\n" in tokenizer.decode(generated).strip(" "):
+        if answer_ended(tokenizer.decode(generated)):
             break
         step = model(input_ids=torch.tensor([[generated[-1]]], device=device), cache=cache, use_cache=True)
         generated.append(int(step.logits[0, -1].argmax()))

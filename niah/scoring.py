@@ -22,3 +22,9 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def answer_ended(text: str) -> bool:
+    """Whether greedy decoding may stop: a newline after the answer's first non-blank character ends it.  Leading
+    blank lines do not (Gemma-3-270M often opens with them, as in ``":\\n\\n    1502111."``)."""
+    return "\n" in text.strip()

@@ -78,7 +78,8 @@ def test_without_the_extra_the_section_says_how_to_install_it(monkeypatch, smoke
 
 
 @pytest.mark.slow
-def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs(tmp_path):
+@pytest.mark.parametrize("which", ["model", "weight_model"])  # Gemma-3-270M Q4_K_M, SmolLM2-135M Q4_1
+def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs(tmp_path, which):
     pytest.importorskip("llama_cpp", reason="the [llamacpp] extra is not installed (make setup-llamacpp)")
     from niah.battery import run_battery
     from niah.config import load_config, validate
@@ -86,6 +87,7 @@ def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs
     from niah.rundir import load_table
 
     raw = {k: v for k, v in load_config("cpu").items() if k != "hash"}
+    raw["model"] = raw[which]
     raw["battery"] = {**raw["battery"], "lengths": [1024], "contexts": 1, "needles": 3, "methods": ["fp16", "q8_0"]}
     raw["llamacpp"] = {"lengths": [1024], "contexts": 1, "kv": ["f16", "q8_0"], "rotation": [True]}
     cfg = validate(raw)

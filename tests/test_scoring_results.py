@@ -3,7 +3,7 @@ import json
 import pytest
 
 from niah.results import ResultsTable, read_rows
-from niah.scoring import string_match_all, wilson_interval
+from niah.scoring import answer_ended, string_match_all, wilson_interval
 
 
 def test_string_match_all():
@@ -34,3 +34,8 @@ def test_table_skips_duplicates_and_survives_a_torn_last_line(tmp_path):
     t2.append({"a": 2, "v": "y"})
     assert [r["a"] for r in read_rows(path)] == [1, 2]
     assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_an_answer_ends_at_a_newline_after_its_content_not_at_leading_blank_lines():
+    assert not answer_ended("\n\n    150") and not answer_ended(" 15") and not answer_ended("")
+    assert answer_ended("\n\n    1502111.\n") and answer_ended(": 1502111.\n\n")
