@@ -27,4 +27,4 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
 def answer_ended(text: str) -> bool:
     """Whether greedy decoding may stop: a newline after the answer's first non-blank character ends it.  Leading
     blank lines do not (Gemma-3-270M often opens with them, as in ``":\\n\\n    1502111."``)."""
-    return "\n" in text.strip()
+    return "\n" in text.lstrip()
