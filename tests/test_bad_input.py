@@ -269,7 +269,8 @@ def test_a_damaged_middle_line_names_it_and_repair_keeps_the_rows_before(tmp_pat
 
 def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_path, smoke_cfg, runs_in, capsys):
     model = {**smoke_cfg["model"], "config": {**smoke_cfg["model"]["config"], "max_position_embeddings": 128}}
-    path = _write_config(tmp_path, smoke_cfg, model=model, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"]})
+    battery = {"lengths": [256], "contexts": 1, "needles": 1, "methods": ["fp16"]}  # `niah run` asks the battery's questions
+    path = _write_config(tmp_path, smoke_cfg, model=model, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"]}, battery=battery)
     assert main(["run", "--config", str(path)]) == 0
     out = capsys.readouterr()
     assert "rows: 1 too_long" in out.out and "no row was scored; every one is too_long" in out.err
