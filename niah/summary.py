@@ -104,6 +104,17 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
             "\n**Pressure sweep** (ratios to the fp16 cache in the same run):\n",
             at_lengths(sweep, ref=ref).round(3).to_markdown(index=False),
         ]
+    lcpp = run.rows("llamacpp")
+    if len(lcpp) and (lcpp["status"] == "ok").any():
+        from .llamacpp import agreement_table, speed_table
+
+        parts += [
+            "\n**llama.cpp side by side**: its own caches on the same GGUF file and token ids, against this repo's emulation "
+            "of each format (`_norot`: without llama.cpp's Hadamard rotation), then its speed and session state per cache:\n",
+            agreement_table(lcpp, ok).round(3).to_markdown(index=False),
+            "",
+            speed_table(lcpp).round(3).to_markdown(index=False),
+        ]
     parts += [f"\n**Claims ledger**: {_ledger_counts(run)} (of the claims in `claims/claims.yaml`; the report has each verdict)."]
     return "\n".join(parts) + "\n"
 

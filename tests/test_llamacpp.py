@@ -69,6 +69,20 @@ def test_the_ledger_quotes_llamacpp_only_when_it_ran():
     assert "KL(f16 || q8_0) = 1.00e-02" in _llamacpp_note(ev, "kl")
 
 
+def test_the_summary_shows_the_side_by_side_tables_when_llamacpp_ran(tmp_path, smoke_cfg):
+    from niah.rundir import open_table
+    from niah.summary import summary_markdown
+
+    ours = _rows(["fp16"], [1, 1, 1, 1], -1.2) + _rows(["q8_0"], [1, 1, 1, 1], -1.25, kl=0.001)
+    lcpp = _lcpp_frame().to_dict("records")
+    for kind, file, rows in (("needles", "niah_results.jsonl", ours), ("llamacpp", "llamacpp_results.jsonl", lcpp)):
+        table = open_table(smoke_cfg, kind, tmp_path / file)
+        for r in rows:
+            table.append({"config": smoke_cfg["name"], "model": "m", "git_commit": "c", "time": "t", "bits_per_value": 16, **r})
+    text = summary_markdown(smoke_cfg, tmp_path)
+    assert "**llama.cpp side by side**" in text and "| lcpp_q8_0 " in text and "decode_vs_f16" in text
+
+
 def test_without_the_extra_the_section_says_how_to_install_it(monkeypatch, smoke_cfg, capsys):
     import niah.llamacpp as lc
 
