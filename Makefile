@@ -23,7 +23,7 @@ $(VENV)/.notebooks: $(VENV)/.base
 setup-dev: $(VENV)/.base
 setup: $(VENV)/.notebooks
 
-## the optional llama.cpp cross-check (notebook 03's last section): builds llama-cpp-python from source (about 20 min)
+## the optional llama.cpp cross-check (notebook 03's last section): compiles llama-cpp-python from source
 setup-llamacpp: $(VENV)/.llamacpp
 
 $(VENV)/.llamacpp: $(VENV)/.base

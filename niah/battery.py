@@ -179,7 +179,10 @@ def battery_contexts(cfg: dict, lm, s: dict | None = None) -> list:
 def question_prompts(cfg: dict, lm) -> list[tuple[list[int], Question]]:
     """Every battery question with the ids of its own context (``multi_key``: its context's first ``length`` ids)."""
     s = battery_settings(cfg)
-    contexts = battery_contexts(cfg, lm, s)
+    return _flat(s, battery_contexts(cfg, lm, s))
+
+
+def _flat(s: dict, contexts: list) -> list[tuple[list[int], Question]]:
     if s["mode"] == "single":
         return [p for prompts in contexts for p in prompts]
     return [(ids[: q.length], q) for ids, qs in contexts for q in qs]
@@ -208,8 +211,7 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     def missing(q: Question) -> list[str]:
         return [m for m in methods if table.key(row(q, m)) not in table.done]
 
-    questions = [q for _, q in sum(contexts, [])] if s["mode"] == "single" else [q for _, qs in contexts for q in qs]
-    todo = sum(len(missing(q)) for q in questions)
+    todo = sum(len(missing(q)) for _, q in _flat(s, contexts))
     if not todo:
         return out_path
     torch.set_num_threads(cfg["threads"])

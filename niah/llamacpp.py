@@ -26,14 +26,14 @@ from tqdm.auto import tqdm
 from .battery import battery_settings, question_prompts
 from .grid import Cell, base_row, too_long_reason
 from .models import ModelUnavailable, verified_gguf
-from .protocol import Answer, compare_logits
+from .protocol import Answer, scored_fields
 from .rundir import RunDir, open_table
-from .scoring import answer_ended, string_match_all
+from .scoring import answer_ended
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # GGML type ids, as llama.cpp's type_k / type_v take them
 ROTATION_OFF = "LLAMA_ATTN_ROT_DISABLE"
 DECODE_STEPS = 8  # timed greedy steps per question, at the context's length
-INSTALL = "pip install -e '.[llamacpp]' (or `make setup-llamacpp`; it builds llama.cpp from source, about 20 minutes on 2 cores)"
+INSTALL = "pip install -e '.[llamacpp]' (or `make setup-llamacpp`; it compiles llama.cpp from source)"
 
 LLAMACPP_DEFAULTS = {
     "lengths": None,  # battery lengths to ask at; None: the battery's shortest
@@ -197,7 +197,6 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
                 if name == runs[0][0]:
                     ref[q] = ans.answer_logsoftmax
                 if needed:
-                    kl, top1 = compare_logits(ref[q], ans.answer_logsoftmax)
                     table.append(
                         {
                             **row(q, name),
@@ -206,12 +205,7 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
                             "kv_type": kv,
                             "rotation": rot,
                             "context_tokens": q.length,
-                            "expected": [q.value],
-                            "generated": ans.text,
-                            "score": string_match_all(ans.text, [q.value]),
-                            "answer_logprob": ans.answer_logprob,
-                            "kl_vs_ref": kl,
-                            "top1_vs_ref": top1,
+                            **scored_fields(ans, [q.value], ref[q]),
                             "prefill_s": prefill_s,
                             "prefill_tokens_per_s": (len(ids) + len(q.question_ids)) / prefill_s,
                             "decode_s_per_token": decode_s,
@@ -225,7 +219,10 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
     return out_path
 
 
-ENGINE_PAIRS = {"lcpp_f16": "fp16", "lcpp_q8_0": "q8_0", "lcpp_q4_0": "q4_0", "lcpp_q8_0_norot": "q8_0", "lcpp_q4_0_norot": "q4_0"}
+def emulated_by(method: str) -> str:
+    """This repo's emulation of a llama.cpp method: ``lcpp_q8_0_norot`` -> ``q8_0``, ``lcpp_f16`` -> ``fp16``."""
+    kv = method.removeprefix("lcpp_").removesuffix("_norot")
+    return "fp16" if kv == "f16" else kv
 
 
 def agreement_table(lcpp, ours):
@@ -244,7 +241,7 @@ def agreement_table(lcpp, ours):
     l_ref, o_ref = ok_l[ok_l["method"] == "lcpp_f16"].set_index(keys), ok_o[ok_o["method"] == "fp16"].set_index(keys)
     rows = []
     for (method, length), g in ok_l.groupby(["method", "length"], sort=False):
-        mine = ok_o[ok_o["method"] == ENGINE_PAIRS.get(method, "")].set_index(keys)
+        mine = ok_o[ok_o["method"] == emulated_by(method)].set_index(keys)
         g = g.set_index(keys)
         both = g.index.intersection(mine.index).intersection(l_ref.index).intersection(o_ref.index)
         if not len(both):
@@ -254,7 +251,7 @@ def agreement_table(lcpp, ours):
         rows.append(
             {
                 "llama.cpp": method,
-                "this repo": ENGINE_PAIRS[method],
+                "this repo": emulated_by(method),
                 "length": length,
                 "n": len(both),
                 "accuracy llama.cpp": (a["score"] >= 1).mean(),

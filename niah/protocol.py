@@ -125,12 +125,9 @@ def compare_logits(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float
     return max(kl, 0.0), top1
 
 
-def answer_fields(
-    ans: Answer, expected: list[str], ref_logsoftmax: torch.Tensor, nbytes: dict, values: int, method: KVMethod, head_dim: int
-) -> dict:
-    """The scored columns of a needle row: the greedy answer against ``expected``, the answer log-prob, KL and
-    top-1 agreement against the reference's answer-position log-softmax, and the stored bytes by layer type
-    (``nbytes``: :meth:`PackedCache.nbytes`; ``values``: K and V entries of the context, for bits per value)."""
+def scored_fields(ans: Answer, expected: list[str], ref_logsoftmax: torch.Tensor) -> dict:
+    """The scored columns of any engine's answer: the greedy text against ``expected``, the answer log-prob, and KL and
+    top-1 agreement against the reference's answer-position log-softmax."""
     kl, top1 = compare_logits(ref_logsoftmax, ans.answer_logsoftmax)
     return {
         "expected": expected,
@@ -139,6 +136,16 @@ def answer_fields(
         "answer_logprob": ans.answer_logprob,
         "kl_vs_ref": kl,
         "top1_vs_ref": top1,
+    }
+
+
+def answer_fields(
+    ans: Answer, expected: list[str], ref_logsoftmax: torch.Tensor, nbytes: dict, values: int, method: KVMethod, head_dim: int
+) -> dict:
+    """The scored columns of a needle row (:func:`scored_fields`) and the stored bytes by layer type (``nbytes``:
+    :meth:`PackedCache.nbytes`; ``values``: K and V entries of the context, for bits per value)."""
+    return {
+        **scored_fields(ans, expected, ref_logsoftmax),
         "kv_bytes": nbytes["total"],
         "kv_bytes_packed": nbytes["packed"],
         "kv_bytes_residual": nbytes["residual"],
