@@ -51,6 +51,7 @@ BATTERY_DEFAULTS = {
     "lengths": [4096, 8192, 16384],
     "contexts": 5,  # prefills of the longest length
     "needles": 10,  # questions per length and context
+    "depths": "spread",  # single mode: "spread" (0, 1/(n-1), ..., 1) or "centred" ((k + 1/2)/n: no needle at either end)
     "mode": "single",  # one needle per prompt; "multi_key": every needle of a context in one prompt (distractors)
     "nested": True,  # multi_key: one context serves every length (False: separate contexts per length, fewer distractors)
     "methods": None,  # None: niah.methods
@@ -65,6 +66,8 @@ def battery_settings(cfg: dict) -> dict:
         raise ValueError(f"unknown battery setting(s) {sorted(unknown)}; valid: {sorted(BATTERY_DEFAULTS)}")
     if s["mode"] not in ("single", "multi_key"):
         raise ValueError(f"unknown battery mode {s['mode']!r}: choose single (one needle per prompt) or multi_key")
+    if s["depths"] not in DEPTH_RULES:
+        raise ValueError(f"unknown battery depths {s['depths']!r}: choose one of {sorted(DEPTH_RULES)}")
     s["lengths"] = sorted(s["lengths"])
     methods = s["methods"] or cfg["niah"]["methods"]
     ref = cfg["niah"]["reference"]
@@ -79,6 +82,14 @@ def battery_settings(cfg: dict) -> dict:
 def spread_depths(n: int) -> list[float]:
     """``n`` evenly spread depths from the start (0) to the end (1) of a context."""
     return [k / (n - 1) for k in range(n)] if n > 1 else [0.5]
+
+
+def centred_depths(n: int) -> list[float]:
+    """``n`` depths at the centres of ``n`` equal slices of a context (0.1, 0.3, ..., 0.9 for 5): none at either end."""
+    return [round((k + 0.5) / n, 4) for k in range(n)]
+
+
+DEPTH_RULES = {"spread": spread_depths, "centred": centred_depths}
 
 
 @dataclass(frozen=True)
@@ -260,7 +271,7 @@ def _single_prompts(lm, hay, s: dict, rng, kind: str, style: str) -> list[list[t
     for c in range(s["contexts"]):
         sub, prompts = _stretch(hay, c, s["contexts"], s["lengths"][-1]), []
         for L in s["lengths"]:
-            for k, d in enumerate(spread_depths(s["needles"])):
+            for k, d in enumerate(DEPTH_RULES[s["depths"]](s["needles"])):
                 ids, (q,) = build_context(lm.tokenizer, sub, [L], 1, rng, c, kind, style, depths=[d])
                 prompts.append((ids, replace(q, index=k)))
         out.append(prompts)

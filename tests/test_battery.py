@@ -5,7 +5,7 @@ import random
 import pandas as pd
 import pytest
 
-from niah.battery import battery_settings, build_context, run_battery
+from niah.battery import battery_settings, build_context, centred_depths, run_battery, spread_depths
 from niah.haystack import haystack_text, tokenize_haystack
 from niah.kv.layout import UnsupportedLayout
 from niah.results import read_rows
@@ -106,11 +106,21 @@ def test_single_needle_prompts_hold_one_needle_and_match_a_fresh_prefill(tmp_pat
     assert got.item() == pytest.approx(ans.answer_logprob, abs=1e-3)
 
 
+def test_centred_depths_keep_every_needle_off_both_ends(tmp_path, smoke_with, tiny):
+    assert centred_depths(5) == [0.1, 0.3, 0.5, 0.7, 0.9] and spread_depths(3) == [0, 0.5, 1]
+    cfg = _battery_cfg(smoke_with, mode="single", needles=2, depths="centred", methods=["fp16"], contexts=1)
+    df = _frame(run_battery(cfg, tiny, tmp_path / "centred.jsonl", progress=False))
+    assert sorted(df["depth"].unique()) == pytest.approx([0.25, 0.75]) and len(df) == 2 * 2
+    assert df["needle_position"].between(0.1, 0.9).all()  # sentence starts move a needle back a little
+
+
 def test_bad_battery_settings_and_windows_longer_than_the_context_say_so(tmp_path, smoke_with, hybrid):
     with pytest.raises(ValueError, match="unknown battery setting"):
         battery_settings(_battery_cfg(smoke_with, needle=3))
     with pytest.raises(ValueError, match="unknown battery mode"):
         battery_settings(_battery_cfg(smoke_with, mode="many"))
+    with pytest.raises(ValueError, match="unknown battery depths 'middle'"):
+        battery_settings(_battery_cfg(smoke_with, depths="middle"))
     with pytest.raises(ValueError, match="do not fit"):
         build_context(hybrid.tokenizer, tokenize_haystack(haystack_text("pydoc"), hybrid.tokenizer, 3000), [256], 6, random.Random(0))
     if hybrid.model.config.model_type == "gemma3_text":
