@@ -40,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .kv.layout import UnsupportedLayout
     from .models import ModelUnavailable
-    from .reportcheck import ReportCheckError
+    from .report.htmlcheck import ReportCheckError
     from .results import ResultsCorrupt, TableLocked
 
     try:
         if args.cmd == "run":
-            from .battery import run_needles
             from .config import load_config, validate
+            from .experiments.battery import run_needles
             from .models import load_model
 
             cfg = load_config(args.config)
@@ -63,15 +63,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"results: {path}")
             _report_statuses(cfg)
         elif args.cmd == "reproduce":
-            from .chain import reproduce
+            from .report.chain import reproduce
 
             reproduce(args.config, args.only)
         elif args.cmd == "report":
-            from .chain import report
+            from .report.chain import report
 
             print(f"report: {report(args.config)}")
         elif args.cmd == "report-check":
-            from .chain import check
+            from .report.chain import check
 
             print(json.dumps(check(args.config), indent=1))
         elif args.cmd == "bench":
@@ -106,7 +106,7 @@ def _report_statuses(cfg: dict) -> None:
 
 def _summary(config: str, write: bool) -> None:
     from .config import ROOT, load_config
-    from .summary import summary_markdown, write_results
+    from .report.summary import summary_markdown, write_results
 
     cfg = load_config(config)
     if write:
@@ -118,7 +118,7 @@ def _summary(config: str, write: bool) -> None:
 def _bench_kv(args) -> None:
     import torch
 
-    from . import bench
+    from .experiments import bench
     from .kv.registry import available
 
     torch.set_num_threads(args.threads)
@@ -129,7 +129,7 @@ def _bench_kv(args) -> None:
     print(bench.decode_attention(methods, args.tokens).round(3).to_string(index=False))
     if args.hf_context:
         from .config import load_config
-        from .haystack import haystack_text, tokenize_haystack
+        from .data.haystack import haystack_text, tokenize_haystack
         from .models import load_model
 
         lm = load_model(load_config("cpu")["model"])

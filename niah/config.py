@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from .prompts import STYLES
+from .data.prompts import STYLES
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
@@ -126,8 +126,8 @@ def validate(raw: dict, where: str = "config") -> dict:
     bad = [s for s in n["prompt_styles"] if s not in STYLES]
     if bad:
         raise ConfigError(f"{where}: unknown prompt style(s) {bad}; choose from {list(STYLES)}")
+    from .data.needles import NeedleSpec
     from .kv.registry import get_method
-    from .needles import NeedleSpec
 
     try:
         for m in [n["reference"], *n["methods"]]:
@@ -164,7 +164,7 @@ def _check_model(spec, where: str) -> None:
 
 def _check_haystack(cfg: dict, where: str) -> None:
     """The haystack source exists and (for ``folder``) its files decode, before any run folder is made."""
-    from .haystack import SOURCES, folder_text
+    from .data.haystack import SOURCES, folder_text
 
     if cfg["haystack"] not in SOURCES:
         raise ConfigError(f"{where}: unknown haystack {cfg['haystack']!r}; choose one of {', '.join(SOURCES)}")
@@ -178,11 +178,11 @@ def _check_haystack(cfg: dict, where: str) -> None:
 
 def _check_sections(cfg: dict, where: str) -> None:
     """Every section is read with its defaults once now, so a typo fails at load, not an hour into a run."""
-    from .battery import battery_settings
+    from .experiments.battery import battery_settings
+    from .experiments.kvppl import kv_perplexity_settings
+    from .experiments.llamacpp import llamacpp_settings
+    from .experiments.sweep import sweep_settings
     from .kv.registry import get_method
-    from .kvppl import kv_perplexity_settings
-    from .llamacpp import llamacpp_settings
-    from .sweep import sweep_settings
     from .weightquant.settings import settings as weightquant_settings
 
     try:

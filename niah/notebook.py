@@ -72,7 +72,7 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
     """One accuracy heatmap per method, with a difference-from-reference panel for the others; saved as PNG and SVG."""
     import matplotlib.pyplot as plt
 
-    from .plots import needle_heatmap, save
+    from .report.plots import needle_heatmap, save
 
     ref = cfg["niah"]["reference"]
     paths = []
@@ -93,7 +93,7 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
 
 def cold_warm(cfg: dict, run: RunDir) -> pd.DataFrame | str:
     """Run (once per sweep settings) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks for."""
-    from .sweep import cold_vs_warm
+    from .experiments.sweep import cold_vs_warm
 
     spec = cfg.get("sweep", {}).get("cold_warm")
     if not spec:
@@ -112,8 +112,8 @@ def cold_warm(cfg: dict, run: RunDir) -> pd.DataFrame | str:
 
 def claims_ledger(cfg: dict, run: RunDir) -> pd.DataFrame:
     """Gather this run's evidence, compute every verdict, and save the ledger as CSV and Markdown."""
-    from .analysis import kv_value_share
-    from .claims import gather_evidence, ledger
+    from .report.analysis import kv_value_share
+    from .report.claims import gather_evidence, ledger
 
     lm = load(cfg)
     table = ledger(gather_evidence(run, kv_value_share(lm, cfg)))

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import niah.kv.attend as attend
+from niah.experiments.protocol import context_states, prefill
 from niah.kv.cache import PackedCache, PackedLayer, fused_decoding
 from niah.kv.registry import get_method
-from niah.protocol import context_states, prefill
 
 FUSED = [
     "q8_0",

@@ -14,7 +14,7 @@ import yaml
 
 from niah.__main__ import main
 from niah.config import ROOT, ConfigError, validate
-from niah.grid import run_grid
+from niah.experiments.grid import run_grid
 from niah.models import ModelUnavailable, _converted_folder, _hub_reachable, _verified, load_model, sha256_of
 from niah.results import ResultsCorrupt, ResultsTable, TableLocked, move_tail_aside, read_rows
 from niah.rundir import NEEDLE_KEY, load_table, settings_hash
@@ -41,7 +41,7 @@ def _write_config(tmp_path, smoke_cfg, **changes):
 def runs_in(tmp_path, monkeypatch):
     """Run folders (papermill_runs/<name>) under ``tmp_path`` instead of the checkout."""
     monkeypatch.setattr("niah.rundir.ROOT", tmp_path)
-    monkeypatch.setattr("niah.chain.ROOT", tmp_path)
+    monkeypatch.setattr("niah.report.chain.ROOT", tmp_path)
     return tmp_path / "papermill_runs"
 
 
@@ -185,7 +185,7 @@ def test_a_name_must_be_one_safe_folder_name(smoke_cfg, name):
 
 
 def test_every_command_resolves_a_config_path_by_its_name(tmp_path, smoke_cfg):
-    from niah.chain import run_dir
+    from niah.report.chain import run_dir
 
     path = _write_config(tmp_path, smoke_cfg, name="renamed")
     assert run_dir(str(path)) == ROOT / "papermill_runs" / "renamed"

@@ -5,11 +5,11 @@ import random
 import pandas as pd
 import pytest
 
-from niah.battery import battery_settings, build_context, centred_depths, run_battery, spread_depths
-from niah.haystack import haystack_text, tokenize_haystack
+from niah.data.haystack import haystack_text, tokenize_haystack
+from niah.experiments.battery import battery_settings, build_context, centred_depths, run_battery, spread_depths
 from niah.kv.layout import UnsupportedLayout
+from niah.report.stats import paired_table
 from niah.results import read_rows
-from niah.stats import paired_table
 
 
 def _frame(path):
@@ -90,10 +90,10 @@ def test_single_needle_prompts_hold_one_needle_and_match_a_fresh_prefill(tmp_pat
     assert sorted(df["depth"].unique()) == pytest.approx([0, 0.5, 1])
     assert (df[df["method"] == "q4_0"]["kl_vs_ref"] > 0).all()
     # a prompt holds only its own needle, and the shared-prefix reuse reads what a fresh prefill of that prompt reads
-    from niah.battery import _single_prompts
+    from niah.experiments.battery import _single_prompts
+    from niah.experiments.protocol import ask, context_states, prefill
     from niah.kv.cache import PackedCache
     from niah.kv.registry import get_method
-    from niah.protocol import ask, context_states, prefill
 
     hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 1024 * 2)
     s = battery_settings(cfg)

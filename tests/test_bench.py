@@ -2,7 +2,7 @@
 
 import time
 
-from niah import bench
+from niah.experiments import bench
 
 
 def test_paired_ratio_compares_each_run_with_its_neighbouring_reference():

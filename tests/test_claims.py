@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from niah import claims
-from niah.claims import Evidence, ledger, load_claims
+from niah.report import claims
 from niah.kv.layout import qwen3_5_35b_a3b_config
+from niah.report.claims import Evidence, ledger, load_claims
 
 
 def _niah(n=100, **methods):

@@ -1,7 +1,7 @@
 import pytest
 
 from niah.config import validate
-from niah.grid import cells, run_grid
+from niah.experiments.grid import cells, run_grid
 from niah.results import read_rows
 from niah.rundir import NEEDLE_KEY as KEY
 

@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from niah.haystack import NOISE, haystack_text, split_sentences, tokenize_haystack
-from niah.needles import INTRO, NeedleSpec, make_trial, needle_text
-from niah.prompts import build_cell
+from niah.data.haystack import NOISE, haystack_text, split_sentences, tokenize_haystack
+from niah.data.needles import INTRO, NeedleSpec, make_trial, needle_text
+from niah.data.prompts import build_cell
 from niah.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

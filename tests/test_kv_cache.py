@@ -5,14 +5,14 @@ import random
 import pytest
 import torch
 
-from niah.haystack import haystack_text, tokenize_haystack
+from niah.data.haystack import haystack_text, tokenize_haystack
+from niah.data.needles import NeedleSpec, make_trial
+from niah.data.prompts import build_cell
+from niah.experiments.protocol import ask, compare_logits, context_states, prefill
 from niah.kv import cache as cache_module
 from niah.kv.base import concat_tokens
 from niah.kv.cache import PackedCache, PackedLayer
 from niah.kv.registry import available, get_method
-from niah.needles import NeedleSpec, make_trial
-from niah.prompts import build_cell
-from niah.protocol import ask, compare_logits, context_states, prefill
 
 METHODS = [m for m in available() if m != "fp16"]
 

@@ -1,4 +1,4 @@
-"""Perplexity through the stored cache (niah/kvppl.py)."""
+"""Perplexity through the stored cache (niah/experiments/kvppl.py)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from niah.config import ConfigError
-from niah.kvppl import perplexity_table, run_kv_perplexity
+from niah.experiments.kvppl import perplexity_table, run_kv_perplexity
 from niah.results import read_rows
 from niah.rundir import TABLES
 

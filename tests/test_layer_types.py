@@ -4,11 +4,11 @@ every stored layer type moves the logits when quantized, and bytes as the layout
 import pytest
 import torch
 
+from niah.experiments.protocol import ask, context_states, prefill
 from niah.kv.cache import PackedCache, PackedLayer
 from niah.kv.fp import CastStorage
 from niah.kv.layout import FULL, LINEAR, SLIDING, CacheLayout, UnsupportedLayout
 from niah.kv.registry import KVMethod, get_method
-from niah.protocol import ask, context_states, prefill
 
 CONTEXT = list(range(1, 120))  # longer than the sliding window (16)
 QUESTION, ANSWER = [40, 41, 42, 43, 44], [50, 51, 52]

@@ -4,8 +4,8 @@ the ``[llamacpp]`` extra installed, as CI has it) llama.cpp itself on the Gemma 
 import pandas as pd
 import pytest
 
-from niah.claims import Evidence, _llamacpp_note
-from niah.llamacpp import agreement_table, cross_check, llamacpp_settings, speed_table, variants
+from niah.experiments.llamacpp import agreement_table, cross_check, llamacpp_settings, speed_table, variants
+from niah.report.claims import Evidence, _llamacpp_note
 
 
 def test_settings_name_bad_cache_types_and_need_the_f16_reference(smoke_with):
@@ -70,8 +70,8 @@ def test_the_ledger_quotes_llamacpp_only_when_it_ran():
 
 
 def test_the_summary_shows_the_side_by_side_tables_when_llamacpp_ran(tmp_path, smoke_cfg):
+    from niah.report.summary import summary_markdown
     from niah.rundir import open_table
-    from niah.summary import summary_markdown
 
     ours = _rows(["fp16"], [1, 1, 1, 1], -1.2) + _rows(["q8_0"], [1, 1, 1, 1], -1.25, kl=0.001)
     lcpp = _lcpp_frame().to_dict("records")
@@ -84,7 +84,7 @@ def test_the_summary_shows_the_side_by_side_tables_when_llamacpp_ran(tmp_path, s
 
 
 def test_without_the_extra_the_section_says_how_to_install_it(monkeypatch, smoke_cfg, capsys):
-    import niah.llamacpp as lc
+    import niah.experiments.llamacpp as lc
 
     monkeypatch.setattr(lc, "installed", lambda: False)
     assert cross_check(smoke_cfg, None, None) is None
@@ -95,8 +95,8 @@ def test_without_the_extra_the_section_says_how_to_install_it(monkeypatch, smoke
 @pytest.mark.parametrize("which", ["model", "weight_model"])  # Gemma-3-270M Q4_K_M, SmolLM2-135M Q4_1
 def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs(tmp_path, which):
     pytest.importorskip("llama_cpp", reason="the [llamacpp] extra is not installed (make setup-llamacpp)")
-    from niah.battery import run_battery
     from niah.config import load_config, validate
+    from niah.experiments.battery import run_battery
     from niah.models import load_model
     from niah.rundir import load_table
 
@@ -106,7 +106,7 @@ def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs
     raw["llamacpp"] = {"lengths": [1024], "contexts": 1, "kv": ["f16", "q8_0"], "rotation": [True]}
     cfg = validate(raw)
     lm = load_model(cfg["model"])
-    from niah.llamacpp import run_llamacpp
+    from niah.experiments.llamacpp import run_llamacpp
 
     ours = load_table(cfg, "needles", run_battery(cfg, lm, tmp_path / "n.jsonl", progress=False))
     lcpp = load_table(cfg, "llamacpp", run_llamacpp(cfg, lm, tmp_path / "l.jsonl", progress=False))

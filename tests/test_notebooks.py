@@ -5,10 +5,10 @@ import json
 import nbformat
 import pytest
 
-from niah.chain import chain, check, report, reproduce
 from niah.config import load_config
-from niah.reportcheck import ReportCheckError, find_browser
-from niah.summary import BEGIN, END, write_results
+from niah.report.chain import chain, check, report, reproduce
+from niah.report.htmlcheck import ReportCheckError, find_browser
+from niah.report.summary import BEGIN, END, write_results
 
 
 def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
@@ -49,7 +49,7 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
 
 
 def test_the_report_drops_progress_bars_but_keeps_warnings():
-    from niah.chain import _without_progress_bars
+    from niah.report.chain import _without_progress_bars
 
     bars = "needle grid:  40%|####      | 2/5 [00:01<00:01]\rneedle grid: 100%|##########| 5/5 [00:02<00:00]\n"
     cell = nbformat.v4.new_code_cell(

@@ -4,12 +4,12 @@ import random
 import pytest
 import torch
 
-from niah.haystack import haystack_text, tokenize_haystack
+from niah.data.haystack import haystack_text, tokenize_haystack
+from niah.data.needles import NeedleSpec, make_trial
+from niah.data.prompts import build_cell
+from niah.experiments.protocol import ask, compare_logits, context_states, prefill
 from niah.kv.cache import PackedCache
 from niah.kv.registry import get_method
-from niah.needles import NeedleSpec, make_trial
-from niah.prompts import build_cell
-from niah.protocol import ask, compare_logits, context_states, prefill
 
 
 @pytest.fixture(scope="module")

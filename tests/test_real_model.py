@@ -4,7 +4,7 @@
 import pytest
 
 from niah.config import load_config, validate
-from niah.grid import run_grid
+from niah.experiments.grid import run_grid
 from niah.results import read_rows
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from niah.experiments.scoring import answer_ended, string_match_all, wilson_interval
 from niah.results import ResultsTable, read_rows
-from niah.scoring import answer_ended, string_match_all, wilson_interval
 
 
 def test_string_match_all():

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from niah.stats import interval_verdict, mcnemar_exact, min_detectable_drop, paired_bootstrap, paired_table
+from niah.report.stats import interval_verdict, mcnemar_exact, min_detectable_drop, paired_bootstrap, paired_table
 
 
 def test_mcnemar_counts_discordant_pairs_and_gives_the_exact_binomial_p():

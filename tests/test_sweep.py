@@ -2,10 +2,10 @@ import contextlib
 
 import pytest
 
-from niah.fits import polyfit
+from niah.experiments.sweep import run_sweep
+from niah.report.fits import polyfit
 from niah.results import read_rows
 from niah.rundir import TABLES
-from niah.sweep import run_sweep
 
 KEY = TABLES["sweep"].key
 
@@ -55,10 +55,10 @@ def test_unknown_sweep_setting_is_named(smoke_with, tiny, tmp_path):
 
 def test_decode_timing_keeps_no_autograd_graph(tiny):
     """Decoding with grad enabled chained every step's dequantized cache into one graph (GBs at 4K on SmolLM2)."""
+    from niah.experiments.protocol import context_states, prefill
+    from niah.experiments.sweep import _greedy
     from niah.kv.cache import PackedCache
     from niah.kv.registry import get_method
-    from niah.protocol import context_states, prefill
-    from niah.sweep import _greedy
 
     kv = context_states(prefill(tiny.model, list(range(64))))
     cache = PackedCache.from_states(kv, get_method("kivi2"), keep_dequantized=False)
@@ -71,7 +71,7 @@ def test_decode_timing_keeps_no_autograd_graph(tiny):
 def test_paired_tpot_ratio_ignores_a_machine_that_slows_down(monkeypatch):
     """Each method's steps cost its own time, times a slowdown that triples halfway through: the ratios to the
     reference compare steps of the same round, so they come out as the per-step costs' ratios."""
-    import niah.sweep as sweep
+    import niah.experiments.sweep as sweep
 
     cost = {"fp16": 1.0, "q8_0": 0.8, "turbo3": 1.3}
     calls = []

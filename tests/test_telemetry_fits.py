@@ -4,8 +4,8 @@ import time
 import numpy as np
 import pytest
 
-from niah.fits import dominant_period, polyfit
-from niah.telemetry import MemorySampler
+from niah.experiments.telemetry import MemorySampler
+from niah.report.fits import dominant_period, polyfit
 
 
 def test_sampler_samples_fast_enough_and_never_leaks_its_thread():

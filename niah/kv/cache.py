@@ -49,7 +49,7 @@ MERGE_BELOW = 256  # tokens: a chunk shorter than this absorbs the next one (tok
 
 @dataclass
 class LayerState:
-    """One decoder layer's context as a prefill left it (:func:`niah.protocol.context_states`).
+    """One decoder layer's context as a prefill left it (:func:`niah.experiments.protocol.context_states`).
 
     ``kind`` is a :mod:`niah.kv.layout` layer type.  Attention layers hold ``keys`` and ``values``,
     ``(batch, kv_heads, tokens, head_dim)`` (a sliding layer: its last ``window - 1`` tokens) after reading ``seen``
@@ -206,7 +206,7 @@ class PackedCache(Cache):
         fused_decode: bool = False,
         sliding: str = "quantize",
     ) -> "PackedCache":
-        """Store a prefilled context (:func:`niah.protocol.context_states`) with ``method``."""
+        """Store a prefilled context (:func:`niah.experiments.protocol.context_states`) with ``method``."""
         if sliding not in SLIDING_LAYERS:
             raise ValueError(f"unknown sliding-layer storage {sliding!r}: choose {' or '.join(SLIDING_LAYERS)}")
         layers = []

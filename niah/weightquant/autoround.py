@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..telemetry import MemorySampler
+from ..experiments.telemetry import MemorySampler
 from .pack import PackedLinear
 from .quant import QWeight, grouped
 from .salience import decoder_linears

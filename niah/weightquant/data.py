@@ -27,7 +27,7 @@ def split_keys(share: float) -> tuple[list[str], list[str]]:
 
 
 def split_text(part: str, share: float) -> str:
-    """The text of the ``calibration`` or ``evaluation`` keys, joined as :func:`niah.haystack.pydoc_text` does."""
+    """The text of the ``calibration`` or ``evaluation`` keys, joined as :func:`niah.data.haystack.pydoc_text` does."""
     from pydoc_data.topics import topics
 
     calib, held = split_keys(share)

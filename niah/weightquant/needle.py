@@ -1,9 +1,9 @@
 """Needle retrieval under weight schemes x KV-cache methods, paired against fp32 weights with the fp16 cache.
 
-:func:`niah.grid.run_grid` compares KV methods within one set of weights.  Here the reference of every row
+:func:`niah.experiments.grid.run_grid` compares KV methods within one set of weights.  Here the reference of every row
 is another set of weights (fp32) on the same cell, so a cell's fp32/fp16 answer distributions are kept in
 memory and the loop runs scheme -> cell -> KV method, one prefill per (scheme, cell).  The cells are the
-grid's (``niah.grid.cells`` and its seeded trials) at one length, over the held-out haystack split, so the
+grid's (``niah.experiments.grid.cells`` and its seeded trials) at one length, over the held-out haystack split, so the
 calibration text never appears in a context.  Rows (``weightquant_niah.jsonl``) carry the grid's field
 names, plus ``weights`` and ``simulated``; ``kl_vs_ref`` and ``top1_vs_ref`` are against fp32/fp16.
 """
@@ -19,14 +19,14 @@ from tqdm.auto import tqdm
 
 from .. import env
 from ..config import validate
-from ..grid import cells, trial_rng
-from ..haystack import haystack_text, tokenize_haystack
+from ..data.haystack import haystack_text, tokenize_haystack
+from ..data.needles import NeedleSpec, make_trial
+from ..data.prompts import build_cell
+from ..experiments.grid import cells, trial_rng
+from ..experiments.protocol import compare_logits, context_states, kv_entries, prefill, run_method
+from ..experiments.scoring import string_match_all
 from ..kv.registry import get_method
-from ..needles import NeedleSpec, make_trial
-from ..prompts import build_cell
-from ..protocol import compare_logits, context_states, kv_entries, prefill, run_method
 from ..rundir import open_table
-from ..scoring import string_match_all
 from .schemes import FP32, QuantizedModel
 
 REF_METHOD = "fp16"

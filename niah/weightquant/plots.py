@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from ..analysis import summarize
+from ..report.analysis import summarize
 
 
 def _labels(df: pd.DataFrame) -> list[str]:

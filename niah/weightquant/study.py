@@ -42,9 +42,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import env
-from ..analysis import summarize
 from ..config import weight_model
 from ..models import cache_dir
+from ..report.analysis import summarize
 from ..rundir import RunDir
 from . import autoround
 from .awq import foldable, search_scale

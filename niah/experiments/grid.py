@@ -18,14 +18,14 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from . import env
-from .haystack import haystack_text, tokenize_haystack
-from .kv.layout import CacheLayout
-from .kv.registry import get_method
-from .needles import NeedleSpec, make_trial
-from .prompts import CellPrompt, build_cell
+from .. import env
+from ..data.haystack import haystack_text, tokenize_haystack
+from ..data.needles import NeedleSpec, make_trial
+from ..data.prompts import CellPrompt, build_cell
+from ..kv.layout import CacheLayout
+from ..kv.registry import get_method
+from ..rundir import RunDir, open_table
 from .protocol import answer_fields, context_states, kv_entries, prefill, run_method
-from .rundir import RunDir, open_table
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Two designs (``battery.mode``):
 * ``single`` (one needle per prompt, the original needle test): each context is a stretch of haystack, and each
   of its questions gets a prompt of its own with only its needle.  The prompts of one context share their
   haystack up to the needle, so that prefix is prefilled once and each question pays only for its needle and
-  the text after it (the grid's shared-prefix reuse, :func:`~niah.grid.extend_shared`).  Each question's
+  the text after it (the grid's shared-prefix reuse, :func:`~niah.experiments.grid.extend_shared`).  Each question's
   context is stored once per method.
 * ``multi_key`` (RULER's multi-key needles): one context holds every needle of a context, described below.
 
@@ -13,7 +13,7 @@ In ``multi_key`` mode, one context of the longest length holds, for every length
 distinct keys at evenly spread depths of its first ``L`` tokens (``nested: false``: one context per length,
 with only its own needles).  Since attention is causal, the first ``L``
 tokens of that context are a context of length ``L`` by themselves: the context is prefilled once, in order,
-and its state is taken out (:func:`~niah.protocol.context_states`) as the prefill passes each length.  At
+and its state is taken out (:func:`~niah.experiments.protocol.context_states`) as the prefill passes each length.  At
 each length every method stores that state once, and every question (one per needle of that length) runs
 over a clone of the stored cache, so a question costs one short pass against a prefill's minutes.  A
 context of length ``L`` thus also holds the longer lengths' needles that fall inside it (distinct keys:
@@ -35,17 +35,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import env
+from .. import env
+from ..data.haystack import TokenHaystack, haystack_text, tokenize_haystack
+from ..data.needles import INTRO, KEY_WORDS, NOUN, VALUE_KINDS, Trial, needle_text, question_texts
+from ..data.prompts import frame
+from ..kv.cache import PackedCache
+from ..kv.layout import CacheLayout
+from ..kv.registry import get_method
+from ..results import ResultsTable
+from ..rundir import RunDir, open_table
 from .grid import Cell, SharedPrompt, base_row, extend_shared, too_long_reason
-from .haystack import TokenHaystack, haystack_text, tokenize_haystack
-from .kv.cache import PackedCache
-from .kv.layout import CacheLayout
-from .kv.registry import get_method
-from .needles import INTRO, KEY_WORDS, NOUN, VALUE_KINDS, Trial, needle_text, question_texts
-from .prompts import frame
 from .protocol import answer_fields, ask, context_states, kv_entries, prefill
-from .results import ResultsTable
-from .rundir import RunDir, open_table
 
 BATTERY_DEFAULTS = {
     "lengths": [4096, 8192, 16384],

@@ -67,7 +67,7 @@ def paired_table(df, ref: str = "fp16", by: tuple[str, ...] = ("length",), seed:
     design can detect at that ``n``.  ``df`` is a needle results table (battery or grid rows)."""
     import pandas as pd
 
-    from .scoring import wilson_interval
+    from ..experiments.scoring import wilson_interval
 
     ok = df[df["status"] == "ok"]
     keys = [*by, *(k for k in PAIR_KEY if k not in by)]

@@ -22,12 +22,12 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from . import env
-from .config import ConfigError
-from .kv.cache import PackedCache
-from .kv.registry import get_method
+from .. import env
+from ..config import ConfigError
+from ..kv.cache import PackedCache
+from ..kv.registry import get_method
+from ..rundir import open_table
 from .protocol import compare_logits, context_states, kv_entries, prefill
-from .rundir import open_table
 
 DEFAULTS = {"methods": ["fp16"], "windows": 4, "context": 2048, "continuation": 256}
 BOOTSTRAP = 2000  # resamples of the windows for the interval of perplexity_table
@@ -49,8 +49,8 @@ def kv_perplexity_settings(cfg: dict) -> dict:
 @torch.no_grad()
 def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     """Score every missing (method, window) row of the config's ``kv_perplexity`` section; return the table's path."""
-    from .weightquant.data import split_text, token_windows
-    from .weightquant.settings import settings as wq_settings
+    from ..weightquant.data import split_text, token_windows
+    from ..weightquant.settings import settings as wq_settings
 
     s = kv_perplexity_settings(cfg)
     tokens = s["context"] + s["continuation"]

@@ -31,15 +31,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import env
-from .haystack import haystack_text, tokenize_haystack
-from .kv.cache import PackedCache, fused_decoding, warm_up
-from .kv.layout import CacheLayout
-from .kv.registry import get_method
-from .needles import NeedleSpec, make_trial, needle_text
-from .prompts import build_cell
+from .. import env
+from ..data.haystack import haystack_text, tokenize_haystack
+from ..data.needles import NeedleSpec, make_trial, needle_text
+from ..data.prompts import build_cell
+from ..kv.cache import PackedCache, fused_decoding, warm_up
+from ..kv.layout import CacheLayout
+from ..kv.registry import get_method
+from ..rundir import open_table
 from .protocol import ask, compare_logits, context_states, kv_entries, prefill
-from .rundir import open_table
 from .scoring import string_match_all
 from .telemetry import MemorySampler
 
@@ -263,7 +263,7 @@ def first_request_ttft(cfg: dict, target: int, warmup: int = 0) -> dict:
 
     Call it in a fresh process (see :func:`cold_vs_warm`): "cold" means the first request after loading.
     """
-    from .models import load_model
+    from ..models import load_model
 
     torch.set_num_threads(cfg["threads"])
     lm = load_model(cfg["model"], device=cfg["device"])
@@ -292,7 +292,7 @@ def cold_vs_warm(cfg: dict, target: int, warmup: int, repeats: int = 1) -> dict:
     for _ in range(repeats):
         for label, w in (("cold", 0), ("warm", warmup)):
             code = (
-                "import json, sys; from niah.sweep import first_request_ttft; "
+                "import json, sys; from niah.experiments.sweep import first_request_ttft; "
                 f"print(json.dumps(first_request_ttft(json.load(sys.stdin), {target}, {w})))"
             )
             proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), capture_output=True, text=True, cwd=env.ROOT)

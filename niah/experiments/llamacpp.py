@@ -8,7 +8,7 @@ rotation and without it (``LLAMA_ATTN_ROT_DISABLE=1``, which the vendored build 
 
 Per question and cache type (``method`` ``lcpp_<type>``, ``lcpp_<type>_norot`` without the rotation) a row holds
 the greedy answer and its score, the teacher-forced answer log-prob and the answer-position log-softmax's KL and
-top-1 agreement against llama.cpp's own f16 cache (the same way :func:`~niah.protocol.compare_logits` scores this
+top-1 agreement against llama.cpp's own f16 cache (the same way :func:`~niah.experiments.protocol.compare_logits` scores this
 repo's methods), and the prefill and decode speed.  Flash attention is on for every type (llama.cpp needs it for
 a quantized V cache), so the f16 reference runs the same attention kernel as the others.
 """
@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..models import ModelUnavailable, verified_gguf
+from ..rundir import RunDir, open_table
 from .battery import battery_settings, question_prompts
 from .grid import Cell, base_row, too_long_reason
-from .models import ModelUnavailable, verified_gguf
 from .protocol import Answer, scored_fields
-from .rundir import RunDir, open_table
 from .scoring import answer_ended
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # GGML type ids, as llama.cpp's type_k / type_v take them
@@ -109,7 +109,7 @@ def _last_logits(llm) -> torch.Tensor:
 
 def ask_llama(llm, ids: list[int], question_ids: list[int], answer_ids: list[int], max_new_tokens: int, eos: int, decode) -> tuple:
     """Context and question through ``llm``, the expected answer teacher-forced one token at a time, then greedy decoding
-    from the first token where the argmax leaves the answer (as :func:`niah.protocol.ask` does, so the answer texts
+    from the first token where the argmax leaves the answer (as :func:`niah.experiments.protocol.ask` does, so the answer texts
     compare).  Returns ``(answer, prefill_s)``; ``answer.question_s`` is the prefill of context and question together."""
     llm.reset()
     t0 = time.perf_counter()
@@ -234,7 +234,7 @@ def agreement_table(lcpp, ours):
     its own f16, and each engine's mean KL against its own f16."""
     import pandas as pd
 
-    from .stats import PAIR_KEY, mcnemar_exact, paired_bootstrap
+    from ..report.stats import PAIR_KEY, mcnemar_exact, paired_bootstrap
 
     ok_l, ok_o = lcpp[lcpp["status"] == "ok"], ours[ours["status"] == "ok"]
     keys = list(PAIR_KEY)

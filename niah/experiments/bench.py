@@ -19,9 +19,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .kv.attend import decode_attention as decode_attention_step
-from .kv.cache import PackedLayer
-from .kv.registry import get_method
+from ..kv.attend import decode_attention as decode_attention_step
+from ..kv.cache import PackedLayer
+from ..kv.registry import get_method
 
 
 def median_time(fn, repeat: int = 5) -> float:

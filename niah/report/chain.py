@@ -7,7 +7,7 @@ import re
 import time
 from pathlib import Path
 
-from .config import ROOT, load_config
+from ..config import ROOT, load_config
 
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -31,7 +31,7 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     """
     import papermill
 
-    from .results import hold_lock
+    from ..results import hold_lock
 
     cfg = load_config(config)  # fails fast on a bad config, before any notebook starts
     name = cfg["name"]
@@ -105,12 +105,12 @@ def _without_progress_bars(cell):
 
 
 def check(config: str, run_root: Path | None = None) -> dict:
-    """Render ``report.html`` of ``config`` in headless Chromium (:mod:`niah.reportcheck`): every figure of the
+    """Render ``report.html`` of ``config`` in headless Chromium (:mod:`niah.report.htmlcheck`): every figure of the
     executed notebooks must decode, and the claims ledger table must list every claim with a verdict."""
     import nbformat
 
     from .claims import CLAIMS
-    from .reportcheck import check_report
+    from .htmlcheck import check_report
 
     out = run_dir(config, run_root)
     target = out / "report.html"

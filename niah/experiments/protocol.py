@@ -22,9 +22,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from .kv.cache import LayerState, PackedCache
-from .kv.layout import FULL, LINEAR, SLIDING, UnsupportedLayout
-from .kv.registry import KVMethod
+from ..kv.cache import LayerState, PackedCache
+from ..kv.layout import FULL, LINEAR, SLIDING, UnsupportedLayout
+from ..kv.registry import KVMethod
 from .scoring import answer_ended, string_match_all
 
 

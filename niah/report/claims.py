@@ -28,9 +28,9 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .config import ROOT
-from .kv.layout import FULL, LINEAR, CacheLayout, qwen3_5_35b_a3b_config
-from .scoring import wilson_interval
+from ..config import ROOT
+from ..experiments.scoring import wilson_interval
+from ..kv.layout import FULL, LINEAR, CacheLayout, qwen3_5_35b_a3b_config
 from .stats import ALPHA, BOOTSTRAP, PAIR_KEY, interval_verdict, paired_bootstrap, paired_table
 
 # meta-llama/Llama-2-70b-hf config.json: num_hidden_layers 80, num_attention_heads 64, num_key_value_heads 8, hidden 8192
@@ -54,10 +54,10 @@ class Evidence:
     niah: pd.DataFrame = field(default_factory=pd.DataFrame)
     sweep: pd.DataFrame = field(default_factory=pd.DataFrame)
     weightquant: pd.DataFrame = field(default_factory=pd.DataFrame)
-    kv_ppl: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.kvppl rows
+    kv_ppl: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.experiments.kvppl rows
     cold_warm: dict | None = None
     kv_value_share: float | None = None  # share of real K and V values within [-6, 6]
-    llamacpp: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.llamacpp rows (llama.cpp's own caches)
+    llamacpp: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.experiments.llamacpp rows (llama.cpp's own caches)
 
     def niah_method(self, method: str) -> pd.DataFrame:
         df = self.niah
@@ -88,7 +88,7 @@ def _combine(parts: dict[str, tuple[str, str]]) -> str:
 
 
 def _drops(ev: Evidence, *methods: str, ref: str = "fp16") -> dict[str, dict] | None:
-    """Per method, :func:`niah.stats.paired_table`'s row against ``ref`` over every question both answered, with
+    """Per method, :func:`niah.report.stats.paired_table`'s row against ``ref`` over every question both answered, with
     the accuracy ``drop`` (ref - method) and its 95% interval ``drop_low``, ``drop_high`` (None unless every
     method and ``ref`` have rows).
 
@@ -132,7 +132,7 @@ def _llamacpp_note(ev: Evidence, what: str) -> str:
     df = ev.llamacpp
     if not len(df) or "lcpp_f16" not in set(df["method"]):
         return ""
-    from .llamacpp import speed_table
+    from ..experiments.llamacpp import speed_table
 
     ok = df[df["status"] == "ok"]
     if what == "accuracy":
@@ -194,7 +194,7 @@ def s0_1(ev):
 def s0_2(ev):
     import torch
 
-    from .kv.registry import get_method
+    from ..kv.registry import get_method
 
     x = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))
     p = get_method("q8_0").key.quantize(x)
@@ -417,8 +417,8 @@ def s1_2(ev):
 
 
 def _ppl(ev: Evidence) -> pd.DataFrame | None:
-    """:func:`niah.kvppl.perplexity_table` of this run, indexed by method (None without an fp16 reference)."""
-    from .kvppl import perplexity_table
+    """:func:`niah.experiments.kvppl.perplexity_table` of this run, indexed by method (None without an fp16 reference)."""
+    from ..experiments.kvppl import perplexity_table
 
     if not len(ev.kv_ppl) or "fp16" not in set(ev.kv_ppl["method"]):
         return None
@@ -452,7 +452,7 @@ def s1_3(ev):
 
 
 def s1_4(ev):
-    from .kv.registry import available
+    from ..kv.registry import available
 
     have = {"turbo3", "sliding_window_asym3"} <= set(available())
     if not have:
@@ -679,7 +679,7 @@ def load_claims(path: Path = CLAIMS_FILE) -> list[Claim]:
     for c in doc["claims"]:
         name = c["id"].lower().replace("-", "_")
         if name not in evaluators:
-            raise ValueError(f"{path}: claim {c['id']} has no evaluator {name}() in niah/claims.py")
+            raise ValueError(f"{path}: claim {c['id']} has no evaluator {name}() in niah/report/claims.py")
         article = doc["articles"][c["id"].split("-")[0]]["file"]
         claims.append(Claim(c["id"], article, str(c["section"]), c["claim"], c["test"], c["threshold"], evaluators.pop(name)))
     if evaluators:
@@ -726,7 +726,7 @@ def gather_evidence(run, kv_value_share: float | None = None) -> Evidence:
     rows of other settings are left out)."""
     import json
 
-    from .env import git_commit
+    from ..env import git_commit
 
     cfg = run.cfg
     return Evidence(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .scoring import wilson_interval
+from ..experiments.scoring import wilson_interval
 
 
 def summarize(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
@@ -54,7 +54,7 @@ def sweep_fits(sweep: pd.DataFrame) -> pd.DataFrame:
 
 def at_lengths(sweep: pd.DataFrame, lengths=(4096, 8192, 16384), ref: str = "fp16") -> pd.DataFrame:
     """Bytes per token, ratio to the reference, and TPOT ratio to the reference (paired round by round in the
-    sweep, :func:`niah.sweep._paired_tpot`) at the marked lengths."""
+    sweep, :func:`niah.experiments.sweep._paired_tpot`) at the marked lengths."""
     ok = sweep[(sweep["status"] == "ok") & sweep["length"].isin(lengths)].copy()
     ok["bytes_per_token"] = ok["kv_bytes"] / ok["length"]
     base = ok[ok["method"] == ref].set_index("length")
@@ -99,8 +99,8 @@ def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
 
 def kv_value_share(lm, cfg: dict, tokens: int = 2048, bound: float = 6.0) -> float:
     """Share of the real model's K and V values within [-bound, bound] over a ``tokens``-token pydoc prefill (claim S0-8)."""
-    from .haystack import haystack_text, tokenize_haystack
-    from .protocol import context_states, prefill
+    from ..data.haystack import haystack_text, tokenize_haystack
+    from ..experiments.protocol import context_states, prefill
 
     ids = tokenize_haystack(haystack_text(cfg["haystack"]), lm.tokenizer, tokens).ids[:tokens]
     states = [s for s in context_states(prefill(lm.model, ids, chunk=cfg["niah"]["prefill_chunk"])) if s.keys is not None]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .rundir import RunDir
+from ..rundir import RunDir
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -106,7 +106,7 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
         ]
     lcpp = run.rows("llamacpp")
     if len(lcpp) and (lcpp["status"] == "ok").any():
-        from .llamacpp import agreement_table, speed_table
+        from ..experiments.llamacpp import agreement_table, speed_table
 
         parts += [
             "\n**llama.cpp side by side**: its own caches on the same GGUF file and token ids, against this repo's emulation "
