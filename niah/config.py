@@ -11,28 +11,12 @@ from pathlib import Path
 import yaml
 
 from .data.prompts import STYLES
+from .schema import NIAH, SECTIONS, TOP, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
 
-DEFAULTS = {
-    "device": "cpu",
-    "threads": 2,
-    "seed": 1234,
-    "haystack": "pydoc",
-    "haystack_folder": "data/haystack",
-    "niah": {
-        "lengths": [1024, 2048],
-        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
-        "trials": 1,
-        "needle": {"kind": "number", "variant": "single", "count": 4},
-        "prompt_styles": ["completion"],
-        "methods": ["fp16"],
-        "reference": "fp16",
-        "max_new_tokens": 12,
-        "prefill_chunk": 1024,
-    },
-}
+DEFAULTS = {**TOP, "niah": NIAH}
 REQUIRED = ("name", "model")
 # the keys a ``model:`` spec may hold, by source (see niah.models), besides the ones every source takes
 MODEL_KEYS = {
@@ -44,10 +28,6 @@ MODEL_KEYS = {
 }
 MODEL_OPTIONAL = ("source", "rope_scaling", "dtype")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-class ConfigError(ValueError):
-    """A config file is missing, malformed or asks for something impossible; the message says which and how to fix it."""
 
 
 def _merge(base: dict, over: dict, where: str, strict: bool) -> dict:
@@ -97,11 +77,7 @@ def validate(raw: dict, where: str = "config") -> dict:
             "name": None,
             "model": {},
             "description": "",
-            "sweep": {},
-            "weightquant": {},
-            "kv_perplexity": {},
-            "battery": {},
-            "llamacpp": {},
+            **{name: {} for name in SECTIONS},
             "weight_model": None,
         },
         raw,

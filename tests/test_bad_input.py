@@ -205,7 +205,7 @@ def test_an_unknown_config_is_named_by_report_and_summary(capsys):
     [
         ({"sweep": {"decode_stepz": 3}}, "unknown sweep setting"),
         ({"kv_perplexity": {"windowz": 3}}, "unknown kv_perplexity setting"),
-        ({"weightquant": {"groop": 3}}, "unknown setting weightquant.groop"),
+        ({"weightquant": {"groop": 3}}, "unknown weightquant setting"),
         ({"battery": {"needlez": 3}}, "unknown battery setting"),
         ({"battery": {"methods": ["q9_9"]}}, "unknown KV method 'q9_9'"),
         (

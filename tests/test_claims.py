@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from niah.report import claims
 from niah.kv.layout import qwen3_5_35b_a3b_config
+from niah.report import claims
 from niah.report.claims import Evidence, ledger, load_claims
 
 

@@ -221,6 +221,6 @@ def test_calibration_and_evaluation_keys_are_disjoint_and_cover_the_corpus():
 def test_unknown_weightquant_setting_is_an_error(smoke_cfg):
     from niah.config import ConfigError
 
-    with pytest.raises(ConfigError, match="weightquant.iters"):
+    with pytest.raises(ConfigError, match=r"unknown weightquant setting\(s\) \[.iters.\]"):
         settings({**smoke_cfg, "weightquant": {"iters": 3}})
     assert kurtosis(_randn(200_000)) == pytest.approx(3.0, abs=0.05)

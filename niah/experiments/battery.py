@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .. import env
 from ..data.haystack import TokenHaystack, haystack_text, tokenize_haystack
@@ -42,28 +41,14 @@ from ..data.prompts import frame
 from ..kv.cache import PackedCache
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
-from ..results import ResultsTable
-from ..rundir import RunDir, open_table
-from .grid import Cell, SharedPrompt, base_row, extend_shared, too_long_reason
+from ..schema import section
+from .base import Experiment, too_long_reason
+from .grid import Cell, SharedPrompt, cell_keys, extend_shared
 from .protocol import answer_fields, ask, context_states, kv_entries, prefill
-
-BATTERY_DEFAULTS = {
-    "lengths": [4096, 8192, 16384],
-    "contexts": 5,  # prefills of the longest length
-    "needles": 10,  # questions per length and context
-    "depths": "spread",  # single mode: "spread" (0, 1/(n-1), ..., 1) or "centred" ((k + 1/2)/n: no needle at either end)
-    "mode": "single",  # one needle per prompt; "multi_key": every needle of a context in one prompt (distractors)
-    "nested": True,  # multi_key: one context serves every length (False: separate contexts per length, fewer distractors)
-    "methods": None,  # None: niah.methods
-    "sliding_layers": "quantize",  # or "fp16": sliding-window layers kept at fp16 (PackedCache)
-}
 
 
 def battery_settings(cfg: dict) -> dict:
-    s = {**BATTERY_DEFAULTS, **cfg.get("battery", {})}
-    unknown = set(s) - set(BATTERY_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown battery setting(s) {sorted(unknown)}; valid: {sorted(BATTERY_DEFAULTS)}")
+    s = section(cfg, "battery")
     if s["mode"] not in ("single", "multi_key"):
         raise ValueError(f"unknown battery mode {s['mode']!r}: choose single (one needle per prompt) or multi_key")
     if s["depths"] not in DEPTH_RULES:
@@ -203,8 +188,7 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     """Run every missing (question, method) row of the config's battery; return the results table's path."""
     s = battery_settings(cfg)
     n = cfg["niah"]
-    out_path = out_path or RunDir(cfg).file("needles")
-    table = open_table(cfg, "needles", out_path)
+    exp = Experiment(cfg, "needles", lm.name, out_path, progress)
     methods = {m: get_method(m) for m in s["methods"]}
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
@@ -213,28 +197,26 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     contexts = battery_contexts(cfg, lm, s)
 
     def row(q: Question, method: str) -> dict:
-        return {
-            **base_row(cfg, lm.name, Cell(style, q.length, round(q.depth, 4), q.trial), method),
-            "context": q.context,
-            "needle_key": q.key,
-        }
+        return exp.row(**_keys(q), method=method)
 
     def missing(q: Question) -> list[str]:
-        return [m for m in methods if table.key(row(q, m)) not in table.done]
+        return exp.missing(methods, **_keys(q))
+
+    def _keys(q: Question) -> dict:
+        return {**cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial)), "context": q.context, "needle_key": q.key}
 
     todo = sum(len(missing(q)) for _, q in _flat(s, contexts))
     if not todo:
-        return out_path
+        return exp.path
     torch.set_num_threads(cfg["threads"])
-    bar = tqdm(total=todo, desc=f"needle battery [{cfg['name']}]", unit="row", disable=not progress)
+    exp.start(todo, "needle battery")
     how = Asking(methods, ref, missing, row, n["max_new_tokens"], s["sliding_layers"])
     if s["mode"] == "single":
         for prompts in contexts:
-            _run_single_context(cfg, lm, table, bar, prompts, how)
+            _run_single_context(exp, lm, prompts, how)
     else:
-        _run_multi_key(cfg, lm, table, bar, contexts, s["lengths"], how)
-    bar.close()
-    return out_path
+        _run_multi_key(exp, lm, contexts, s["lengths"], how)
+    return exp.close()
 
 
 @dataclass(frozen=True)
@@ -278,58 +260,52 @@ def _single_prompts(lm, hay, s: dict, rng, kind: str, style: str) -> list[list[t
     return out
 
 
-def _run_single_context(cfg: dict, lm, table, bar, prompts: list[tuple[list[int], Question]], how: Asking) -> None:
+def _run_single_context(exp: Experiment, lm, prompts: list[tuple[list[int], Question]], how: Asking) -> None:
     """One context's single-needle prompts, in needle order: the haystack before each needle is prefilled once (and
     cropped back to after each question), only the needle and the text after it per question."""
-    chunk = cfg["niah"]["prefill_chunk"]
+    chunk = exp.cfg["niah"]["prefill_chunk"]
     base, base_ids = None, []
     for ids, q in sorted(prompts, key=lambda p: (p[1].position, p[1].length)):
         todo = how.missing(q)
-        if not todo or _too_long(cfg, lm, table, bar, [q], how):
+        if not todo or _too_long(exp, lm, [q], how):
             continue
         try:
             base, base_ids = extend_shared(lm.model, base, base_ids, SharedPrompt(ids, q.position), chunk)
             t0 = time.perf_counter()
             prefill(lm.model, ids[q.position :], base, chunk)
-            rows = _ask_all(lm, context_states(base), [q], time.perf_counter() - t0, how)
+            exp.write(_ask_all(lm, context_states(base), [q], time.perf_counter() - t0, how))
             if base.is_croppable:
                 base.crop(q.position - len(ids))
         except (torch.OutOfMemoryError, MemoryError) as err:
-            rows, base, base_ids = [{**how.row(q, m), "status": "oom", "reason": str(err)[:300]} for m in todo], None, []
-        _append(table, bar, rows)
+            exp.fail([how.row(q, m) for m in todo], "oom", err)
+            base, base_ids = None, []
 
 
-def _run_multi_key(cfg: dict, lm, table, bar, contexts: list[tuple[list[int], list[Question]]], lengths: list[int], how: Asking) -> None:
+def _run_multi_key(exp: Experiment, lm, contexts: list[tuple[list[int], list[Question]]], lengths: list[int], how: Asking) -> None:
     """Each multi-key context is prefilled once, in order; its state is taken out as the prefill passes each length."""
-    missing, chunk = how.missing, cfg["niah"]["prefill_chunk"]
+    missing, chunk = how.missing, exp.cfg["niah"]["prefill_chunk"]
     for ids, questions in contexts:
         cache, done, prefill_s = None, 0, 0.0
         for L in lengths:
             qs = [q for q in questions if q.length == L and missing(q)]
-            if not qs or _too_long(cfg, lm, table, bar, qs, how):
+            if not qs or _too_long(exp, lm, qs, how):
                 continue
             try:
                 t0 = time.perf_counter()
                 cache = prefill(lm.model, ids[done:L], cache, chunk)
                 prefill_s, done = prefill_s + time.perf_counter() - t0, L
-                _append(table, bar, _ask_all(lm, context_states(cache), qs, prefill_s, how))
+                exp.write(_ask_all(lm, context_states(cache), qs, prefill_s, how))
             except (torch.OutOfMemoryError, MemoryError) as err:
-                _append(table, bar, [{**how.row(q, m), "status": "oom", "reason": str(err)[:300]} for q in qs for m in missing(q)])
+                exp.fail([how.row(q, m) for q in qs for m in missing(q)], "oom", err)
                 break
 
 
-def _too_long(cfg: dict, lm, table, bar, qs: list[Question], how: Asking) -> bool:
+def _too_long(exp: Experiment, lm, qs: list[Question], how: Asking) -> bool:
     """Write too_long rows for ``qs`` (and say True) when their context, question and answer exceed the model's limit."""
-    reason = too_long_reason(cfg, lm, qs[0].length + max(len(q.question_ids) + max(len(q.answer_ids), how.max_new) for q in qs))
+    reason = too_long_reason(exp.cfg, lm, qs[0].length + max(len(q.question_ids) + max(len(q.answer_ids), how.max_new) for q in qs))
     if reason:
-        _append(table, bar, [{**how.row(q, m), "status": "too_long", "reason": reason} for q in qs for m in how.missing(q)])
+        exp.fail([how.row(q, m) for q in qs for m in how.missing(q)], "too_long", reason)
     return bool(reason)
-
-
-def _append(table: ResultsTable, bar, rows: list[dict]) -> None:
-    for r in rows:
-        table.append(r)
-    bar.update(len(rows))
 
 
 def _ask_all(lm, states, qs: list[Question], prefill_s: float, how: Asking) -> list[dict]:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -24,7 +23,7 @@ from ..data.needles import NeedleSpec, make_trial
 from ..data.prompts import CellPrompt, build_cell
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
-from ..rundir import RunDir, open_table
+from .base import Experiment, too_long_reason
 from .protocol import answer_fields, context_states, kv_entries, prefill, run_method
 
 
@@ -46,39 +45,22 @@ def trial_rng(cfg: dict, cell: Cell) -> random.Random:
     return random.Random(f"{cfg['seed']}/{cell.length}/{cell.depth}/{cell.trial}")
 
 
-def base_row(cfg, model_name, cell: Cell, method: str) -> dict:
+def cell_keys(cfg: dict, cell: Cell) -> dict:
+    """The columns of a needle row that name its cell (besides the method)."""
+    needle = cfg["niah"]["needle"]
     return {
-        "config": cfg["name"],
-        "config_hash": cfg["hash"],
-        "model": model_name,
         "prompt_style": cell.style,
         "length": cell.length,
         "depth": cell.depth,
         "trial": cell.trial,
-        "method": method,
-        "seed": cfg["seed"],
-        "needle_kind": cfg["niah"]["needle"]["kind"],
-        "needle_variant": cfg["niah"]["needle"]["variant"],
-        "git_commit": env.git_commit(),
-        "versions": env.versions(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "needle_kind": needle["kind"],
+        "needle_variant": needle["variant"],
     }
-
-
-def too_long_reason(cfg, loaded, cell_tokens: int) -> str | None:
-    limit = loaded.max_context
-    if cell_tokens <= limit:
-        return None
-    hint = (
-        "" if limit > loaded.native_context else " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
-    )
-    return f"context of {cell_tokens} tokens (with question and answer) exceeds the model's limit of {limit} tokens.{hint}"
 
 
 def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = True) -> Path:
     """Run every missing (cell, method) row of ``cfg`` with the loaded model; return the table's path."""
-    out_path = out_path or RunDir(cfg).file("needles")
-    table = open_table(cfg, "needles", out_path)
+    exp = Experiment(cfg, "needles", loaded.name, out_path, progress)
     n = cfg["niah"]
     methods = {m: get_method(m) for m in n["methods"]}
     for m in methods.values():
@@ -86,38 +68,32 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
     CacheLayout.from_config(loaded.model.config).check_context(min(n["lengths"]), loaded.name)
 
     def missing(cell):
-        return [m for m in methods if table.key(base_row(cfg, loaded.name, cell, m)) not in table.done]
+        return exp.missing(methods, **cell_keys(cfg, cell))
 
     todo = [c for c in cells(cfg) if missing(c)]
     if not todo:
-        return out_path
+        return exp.path
     torch.set_num_threads(cfg["threads"])
     hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), loaded.tokenizer, max(n["lengths"]))
     spec = NeedleSpec(**n["needle"])
     prompts = {c: build_cell(loaded.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(cfg, c)), c.style) for c in todo}
-    bar = tqdm(total=sum(len(missing(c)) for c in todo), desc=f"needle grid [{cfg['name']}]", unit="row", disable=not progress)
+    exp.start(sum(len(missing(c)) for c in todo), "needle grid")
     for style in n["prompt_styles"]:
         base, base_ids = None, []
         for cell in sorted((c for c in todo if c.style == style), key=lambda c: (prompts[c].shared_prefix, c.length, c.depth, c.trial)):
             p = prompts[cell]
-            todo_methods = missing(cell)
+            unmeasured = [exp.row(**cell_keys(cfg, cell), method=m) for m in missing(cell)]
             reason = too_long_reason(cfg, loaded, len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"]))
             if reason:
-                for m in todo_methods:
-                    table.append({**base_row(cfg, loaded.name, cell, m), "status": "too_long", "reason": reason})
-                bar.update(len(todo_methods))
+                exp.fail(unmeasured, "too_long", reason)
                 continue
             try:
                 base, base_ids = extend_shared(loaded.model, base, base_ids, p, n["prefill_chunk"])
-                rows = _run_cell(cfg, loaded, base, len(base_ids), p, methods, todo_methods, cell)
+                exp.write(_run_cell(exp, loaded, base, len(base_ids), p, methods, missing(cell), cell))
             except (torch.OutOfMemoryError, MemoryError) as err:
-                rows = [{**base_row(cfg, loaded.name, cell, m), "status": "oom", "reason": str(err)[:300]} for m in todo_methods]
+                exp.fail(unmeasured, "oom", err)
                 base, base_ids = None, []
-            for row in rows:
-                table.append(row)
-            bar.update(len(todo_methods))
-    bar.close()
-    return out_path
+    return exp.close()
 
 
 @dataclass(frozen=True)
@@ -142,9 +118,9 @@ def extend_shared(model, base, base_ids, p: CellPrompt | SharedPrompt, chunk: in
     return base, want
 
 
-def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_methods, cell: Cell) -> list[dict]:
+def _run_cell(exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods, todo_methods, cell: Cell) -> list[dict]:
     """Prefill the cell's own tokens on top of the shared cache, run the methods, crop back."""
-    n = cfg["niah"]
+    n = exp.cfg["niah"]
     t0 = time.perf_counter()
     prefill(loaded.model, p.prefill_ids[shared:], base, n["prefill_chunk"])
     prefill_s = time.perf_counter() - t0
@@ -165,7 +141,7 @@ def _run_cell(cfg, loaded, base, shared: int, p: CellPrompt, methods, todo_metho
             )
             rows.append(
                 {
-                    **base_row(cfg, loaded.name, cell, name),
+                    **exp.row(**cell_keys(exp.cfg, cell), method=name),
                     "status": "ok",
                     "reason": "",
                     "context_tokens": len(p.prefill_ids),

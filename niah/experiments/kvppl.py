@@ -20,25 +20,20 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
-from .. import env
 from ..config import ConfigError
 from ..kv.cache import PackedCache
 from ..kv.registry import get_method
-from ..rundir import open_table
+from ..schema import section
+from .base import Experiment
 from .protocol import compare_logits, context_states, kv_entries, prefill
 
-DEFAULTS = {"methods": ["fp16"], "windows": 4, "context": 2048, "continuation": 256}
 BOOTSTRAP = 2000  # resamples of the windows for the interval of perplexity_table
 
 
 def kv_perplexity_settings(cfg: dict) -> dict:
-    """The config's ``kv_perplexity`` section over :data:`DEFAULTS`, the reference method first."""
-    s = {**DEFAULTS, **cfg.get("kv_perplexity", {})}
-    unknown = set(s) - set(DEFAULTS)
-    if unknown:
-        raise ConfigError(f"unknown kv_perplexity setting(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    """The config's ``kv_perplexity`` section over its defaults (:data:`niah.schema.KV_PERPLEXITY`), the reference method first."""
+    s = section(cfg, "kv_perplexity")
     if s["continuation"] < 2 or s["context"] < 1 or s["windows"] < 1:
         raise ConfigError(f"kv_perplexity needs context >= 1, continuation >= 2 and windows >= 1 tokens; got {s}")
     ref = cfg["niah"]["reference"]
@@ -62,25 +57,15 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
     methods = {m: get_method(m) for m in s["methods"]}
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
-    table = open_table(cfg, "kv_perplexity", out_path)
-    base = {
-        "config": cfg["name"],
-        "config_hash": cfg["hash"],
-        "model": lm.name,
-        "seed": cfg["seed"],
-        "context": s["context"],
-        "continuation": s["continuation"],
-        "git_commit": env.git_commit(),
-        "versions": env.versions(),
-    }
-    todo = {w: [m for m in methods if table.key({**base, "method": m, "window": w}) not in table.done] for w in range(s["windows"])}
+    exp = Experiment(cfg, "kv_perplexity", lm.name, out_path, progress)
+    todo = {w: exp.missing(methods, window=w) for w in range(s["windows"])}
     if not any(todo.values()):
-        return out_path
+        return exp.path
     torch.set_num_threads(cfg["threads"])
     text = split_text("evaluation", wq_settings(cfg)["calibration_share"])
     windows = token_windows(lm.tokenizer, text, s["windows"], tokens)
     ref = s["methods"][0]
-    bar = tqdm(total=sum(map(len, todo.values())), desc=f"KV perplexity [{cfg['name']}]", unit="row", disable=not progress)
+    exp.start(sum(map(len, todo.values())), "KV perplexity")
     for w, names in todo.items():
         if not names:
             continue
@@ -93,10 +78,8 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
                 ref_logsm = logsm
             row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
             if name in names:
-                table.append({**base, "method": name, "window": w, "status": "ok", **row})
-                bar.update(1)
-    bar.close()
-    return out_path
+                exp.write([{**exp.row(method=name, window=w, context=s["context"], continuation=s["continuation"]), "status": "ok", **row}])
+    return exp.close()
 
 
 def _score(lm, kv, method, continuation: list[int]) -> tuple[dict, torch.Tensor]:

@@ -21,33 +21,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ..models import ModelUnavailable, verified_gguf
-from ..rundir import RunDir, open_table
+from ..schema import section
+from .base import Experiment, too_long_reason
 from .battery import battery_settings, question_prompts
-from .grid import Cell, base_row, too_long_reason
-from .protocol import Answer, scored_fields
-from .scoring import answer_ended
+from .grid import Cell, cell_keys
+from .protocol import Answer, greedy_from, scored_fields, teacher_forced
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # GGML type ids, as llama.cpp's type_k / type_v take them
 ROTATION_OFF = "LLAMA_ATTN_ROT_DISABLE"
 DECODE_STEPS = 8  # timed greedy steps per question, at the context's length
 INSTALL = "pip install -e '.[llamacpp]' (or `make setup-llamacpp`; it compiles llama.cpp from source)"
 
-LLAMACPP_DEFAULTS = {
-    "lengths": None,  # battery lengths to ask at; None: the battery's shortest
-    "contexts": 1,  # the battery's first contexts: 5 questions per length in the cpu config (an anecdote; raise it where time allows)
-    "kv": ["f16", "q8_0", "q4_0"],
-    "rotation": [True, False],  # quantized types with llama.cpp's rotation and without it
-}
-
 
 def llamacpp_settings(cfg: dict) -> dict:
-    s = {**LLAMACPP_DEFAULTS, **(cfg.get("llamacpp") or {})}
-    unknown = set(s) - set(LLAMACPP_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown llamacpp setting(s) {sorted(unknown)}; valid: {sorted(LLAMACPP_DEFAULTS)}")
+    s = section(cfg, "llamacpp")
     bad = [k for k in s["kv"] if k not in KV_TYPES]
     if bad:
         raise ValueError(f"unknown llama.cpp cache type(s) {bad}; choose from {', '.join(KV_TYPES)}")
@@ -120,20 +109,17 @@ def ask_llama(llm, ids: list[int], question_ids: list[int], answer_ids: list[int
         llm.eval([tok])
         rows.append(_last_logits(llm))
     logsm = torch.log_softmax(torch.stack(rows).float(), dim=-1)
-    target = torch.tensor(answer_ids)
-    answer_logprob = logsm.gather(1, target[:, None]).sum().item()
-    agree = (logsm.argmax(-1) == target).int()
-    j = int(agree.cumprod(0).sum())
+    answer_logprob, j = teacher_forced(logsm, answer_ids)
     if j == len(answer_ids):
         return Answer(decode(answer_ids), answer_logprob, logsm, float("nan"), prefill_s), prefill_s
     llm.n_tokens = base + j  # the next eval drops the cache from here
+
+    def step(token: int) -> int:
+        llm.eval([token])
+        return int(_last_logits(llm).argmax())
+
     generated = list(answer_ids[:j]) + [int(logsm[j].argmax())]
-    t1 = time.perf_counter()
-    while len(generated) < max_new_tokens and generated[-1] != eos and not answer_ended(decode(generated)):
-        llm.eval([generated[-1]])
-        generated.append(int(_last_logits(llm).argmax()))
-    steps = len(generated) - j - 1
-    decode_s = (time.perf_counter() - t1) / steps if steps else float("nan")
+    decode_s = greedy_from(generated, step, max_new_tokens, eos, decode)
     return Answer(decode(generated), answer_logprob, logsm, decode_s, prefill_s), prefill_s
 
 
@@ -164,59 +150,61 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
     if not set(lengths) <= set(battery_lengths):
         raise ValueError(f"llamacpp.lengths {lengths} must be lengths of the battery ({battery_lengths}): it asks the battery's questions")
     gguf = verified_gguf(cfg["model"])
-    out_path = out_path or RunDir(cfg).file("llamacpp")
-    table = open_table(cfg, "llamacpp", out_path)
+    exp = Experiment(cfg, "llamacpp", lm.name, out_path, progress)
     style, max_new = cfg["niah"]["prompt_styles"][0], cfg["niah"]["max_new_tokens"]
     prompts = [(ids, q) for ids, q in question_prompts(cfg, lm) if q.length in lengths and q.context < s["contexts"]]
     runs = variants(s)
 
     def row(q, method):
-        return {**base_row(cfg, lm.name, Cell(style, q.length, round(q.depth, 4), q.trial), method), "context": q.context}
+        return exp.row(**cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial)), context=q.context, method=method)
 
-    todo = [(name, kv, rot) for name, kv, rot in runs if any(table.key(row(q, name)) not in table.done for _, q in prompts)]
+    def needed(q, name) -> bool:
+        return exp.table.key(row(q, name)) not in exp.table.done
+
+    todo = [(name, kv, rot) for name, kv, rot in runs if any(needed(q, name) for _, q in prompts)]
     if not todo:
-        return out_path
+        return exp.path
     n_ctx = max(len(ids) + len(q.question_ids) + max(len(q.answer_ids), max_new) for ids, q in prompts) + 8
     reason = too_long_reason(cfg, lm, n_ctx - 8)
     if reason:
         raise ValueError(f"llamacpp: {reason}")
-    bar = tqdm(total=len(prompts) * len(todo), desc=f"llama.cpp [{cfg['name']}]", unit="row", disable=not progress)
+    exp.start(len(prompts) * len(todo), "llama.cpp")
     ref = {}
     decode = lambda t: lm.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     for name, kv, rot in [runs[0], *(r for r in todo if r != runs[0])]:
         llm = open_llama(gguf, n_ctx, kv, rot, cfg["threads"])
         try:
             for ids, q in prompts:
-                needed = table.key(row(q, name)) not in table.done
-                if name != runs[0][0] and not needed:
-                    bar.update(1)
+                wanted = needed(q, name)
+                if name != runs[0][0] and not wanted:
+                    exp.bar.update(1)
                     continue
                 ans, prefill_s = ask_llama(llm, ids, q.question_ids, q.answer_ids, max_new, lm.tokenizer.eos_token_id, decode)
                 state_bytes = state_size(llm)
                 decode_s = time_decode(llm, q.answer_ids[0], DECODE_STEPS)
                 if name == runs[0][0]:
                     ref[q] = ans.answer_logsoftmax
-                if needed:
-                    table.append(
-                        {
-                            **row(q, name),
-                            "status": "ok",
-                            "reason": "",
-                            "kv_type": kv,
-                            "rotation": rot,
-                            "context_tokens": q.length,
-                            **scored_fields(ans, [q.value], ref[q]),
-                            "prefill_s": prefill_s,
-                            "prefill_tokens_per_s": (len(ids) + len(q.question_ids)) / prefill_s,
-                            "decode_s_per_token": decode_s,
-                            "state_bytes": state_bytes,
-                        }
+                if wanted:
+                    exp.write(
+                        [
+                            {
+                                **row(q, name),
+                                "status": "ok",
+                                "reason": "",
+                                "kv_type": kv,
+                                "rotation": rot,
+                                "context_tokens": q.length,
+                                **scored_fields(ans, [q.value], ref[q]),
+                                "prefill_s": prefill_s,
+                                "prefill_tokens_per_s": (len(ids) + len(q.question_ids)) / prefill_s,
+                                "decode_s_per_token": decode_s,
+                                "state_bytes": state_bytes,
+                            }
+                        ]
                     )
-                bar.update(1)
         finally:
             llm.close()
-    bar.close()
-    return out_path
+    return exp.close()
 
 
 def emulated_by(method: str) -> str:

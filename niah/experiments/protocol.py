@@ -95,27 +95,38 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     question_s = time.perf_counter() - t0
 
     forced = model(input_ids=torch.tensor([answer_ids], device=device), cache=cache.clone(), use_cache=True)
-    logits = torch.cat([out.logits[0, -1:], forced.logits[0, :-1]]).float()
-    logsm = torch.log_softmax(logits, dim=-1)
-    target = torch.tensor(answer_ids, device=device)
-    answer_logprob = logsm.gather(1, target[:, None]).sum().item()
-
-    agree = (logits.argmax(-1) == target).int()
-    j = int(agree.cumprod(0).sum())  # answer tokens that greedy decoding reproduces
+    logsm = torch.log_softmax(torch.cat([out.logits[0, -1:], forced.logits[0, :-1]]).float(), dim=-1)
+    answer_logprob, j = teacher_forced(logsm, answer_ids)
     if j == len(answer_ids):
         return Answer(tokenizer.decode(answer_ids, skip_special_tokens=True), answer_logprob, logsm.cpu(), float("nan"), question_s)
     if j:
-        model(input_ids=target[None, :j], cache=cache, use_cache=True, logits_to_keep=1)
-    generated = answer_ids[:j] + [int(logits[j].argmax())]
-    t1 = time.perf_counter()
-    while len(generated) < max_new_tokens and generated[-1] != tokenizer.eos_token_id:
-        if answer_ended(tokenizer.decode(generated)):
-            break
-        step = model(input_ids=torch.tensor([[generated[-1]]], device=device), cache=cache, use_cache=True)
-        generated.append(int(step.logits[0, -1].argmax()))
-    steps = len(generated) - j - 1
-    decode_s = (time.perf_counter() - t1) / steps if steps else float("nan")
+        model(input_ids=torch.tensor([answer_ids[:j]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+
+    def step(token: int) -> int:
+        return int(model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1].argmax())
+
+    generated = answer_ids[:j] + [int(logsm[j].argmax())]
+    decode_s = greedy_from(generated, step, max_new_tokens, tokenizer.eos_token_id, tokenizer.decode)
     return Answer(tokenizer.decode(generated, skip_special_tokens=True), answer_logprob, logsm.cpu(), decode_s, question_s)
+
+
+def teacher_forced(logsm: torch.Tensor, answer_ids: list[int]) -> tuple[float, int]:
+    """From the answer positions' next-token log-softmax ``(len(answer_ids), vocab)``: the expected answer's log-prob,
+    and how many of its leading tokens greedy decoding reproduces (the argmax agrees with each of them)."""
+    target = torch.tensor(answer_ids, device=logsm.device)
+    agree = (logsm.argmax(-1) == target).int()
+    return logsm.gather(1, target[:, None]).sum().item(), int(agree.cumprod(0).sum())
+
+
+def greedy_from(generated: list[int], step, max_new_tokens: int, eos: int, decode) -> float:
+    """Extend ``generated`` (in place) with ``step(last token) -> next token`` until it holds ``max_new_tokens``, ends
+    with ``eos``, or its answer line ends (:func:`~niah.experiments.scoring.answer_ended` of ``decode(generated)``);
+    return the seconds per step (NaN when no step ran)."""
+    start, t0 = len(generated), time.perf_counter()
+    while len(generated) < max_new_tokens and generated[-1] != eos and not answer_ended(decode(generated)):
+        generated.append(step(generated[-1]))
+    steps = len(generated) - start
+    return (time.perf_counter() - t0) / steps if steps else float("nan")
 
 
 def compare_logits(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:

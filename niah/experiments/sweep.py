@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from .. import env
 from ..data.haystack import haystack_text, tokenize_haystack
@@ -38,26 +37,15 @@ from ..data.prompts import build_cell
 from ..kv.cache import PackedCache, fused_decoding, warm_up
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
-from ..rundir import open_table
+from ..schema import section
+from .base import Experiment
 from .protocol import ask, compare_logits, context_states, kv_entries, prefill
 from .scoring import string_match_all
 from .telemetry import MemorySampler
 
-SWEEP_DEFAULTS = {
-    "lengths": [1, 256, 512, 1024, 2048],
-    "methods": ["fp16"],
-    "decode_steps": 32,
-    "hz": 50,
-    "memory_budget_gib": None,
-    "cold_warm": None,  # e.g. {"target": 8192, "warmup": 4096}
-}
-
 
 def sweep_settings(cfg: dict) -> dict:
-    s = {**SWEEP_DEFAULTS, **cfg.get("sweep", {})}
-    unknown = set(s) - set(SWEEP_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown sweep setting(s) {sorted(unknown)}; valid: {sorted(SWEEP_DEFAULTS)}")
+    s = section(cfg, "sweep")
     if cfg["niah"]["reference"] not in s["methods"]:
         s["methods"] = [cfg["niah"]["reference"], *s["methods"]]
     return s
@@ -125,24 +113,16 @@ def _percentile(xs: list[float], q: float) -> float:
 def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     """Run every missing (method, length) row of the config's sweep; return the table's path."""
     s = sweep_settings(cfg)
-    table = open_table(cfg, "sweep", out_path)
+    exp = Experiment(cfg, "sweep", lm.name, out_path, progress)
     methods = {m: get_method(m) for m in s["methods"]}
     ref = cfg["niah"]["reference"]
-    base = {
-        "config": cfg["name"],
-        "config_hash": cfg["hash"],
-        "model": lm.name,
-        "seed": cfg["seed"],
-        "git_commit": env.git_commit(),
-        "versions": env.versions(),
-    }
 
     def missing(length):
-        return [m for m in methods if table.key({**base, "method": m, "length": length}) not in table.done]
+        return exp.missing(methods, length=length)
 
     lengths = sorted(s["lengths"])
     if not any(missing(L) for L in lengths):
-        return out_path
+        return exp.path
     torch.set_num_threads(cfg["threads"])
     longest = lengths[-1]
     hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, longest)
@@ -155,23 +135,14 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     layout = CacheLayout.from_config(lm.model.config)
     layout.check_context(lengths[0], lm.name)
     cache, done_tokens, ttft = None, 0, 0.0
-    bar = tqdm(total=sum(len(missing(L)) for L in lengths), desc=f"pressure sweep [{cfg['name']}]", unit="row", disable=not progress)
+    exp.start(sum(len(missing(L)) for L in lengths), "pressure sweep")
     for L in lengths:
         todo = missing(L)
         budget = s["memory_budget_gib"]
         fp32_bytes = 4 * sum(layout.kv_values(L).values())  # sliding layers keep only their window
         if budget is not None and fp32_bytes > budget * 2**30:
-            for m in todo:
-                table.append(
-                    {
-                        **base,
-                        "method": m,
-                        "length": L,
-                        "status": "oom",
-                        "reason": f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB",
-                    }
-                )
-            bar.update(len(todo))
+            reason = f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB"
+            exp.fail([exp.row(method=m, length=L) for m in todo], "oom", reason)
             continue
         try:
             t0 = time.perf_counter()
@@ -179,9 +150,7 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
             ttft += time.perf_counter() - t0
             done_tokens = L
         except (torch.OutOfMemoryError, MemoryError) as err:
-            for m in todo:
-                table.append({**base, "method": m, "length": L, "status": "oom", "reason": str(err)[:300]})
-            bar.update(len(todo))
+            exp.fail([exp.row(method=m, length=L) for m in todo], "oom", err)
             break
         if not todo:
             continue
@@ -189,13 +158,12 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
         probe = L >= probe_from
         answers, firsts, rows = {}, {}, {}
         for name in [ref] + [m for m in todo if m != ref]:
-            row = {**base, "method": name, "length": L}
+            row = exp.row(method=name, length=L)
             try:
                 row.update(_measure(lm, kv, methods[name], cell, probe, s, cuda))
             except (torch.OutOfMemoryError, MemoryError) as err:
                 if name in todo:
-                    table.append({**row, "status": "oom", "reason": str(err)[:300]})
-                    bar.update(1)
+                    exp.fail([row], "oom", err)
                 continue
             answers[name], firsts[name] = row.pop("_answer"), row.pop("_first")
             if probe and ref in answers:
@@ -212,11 +180,8 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
                 for n, row in rows.items()
             }
             paired = {}
-        for name in [n for n in rows if n in todo]:
-            table.append({**rows[name], **paired.get(name, {})})
-            bar.update(1)
-    bar.close()
-    return out_path
+        exp.write([{**rows[name], **paired.get(name, {})} for name in rows if name in todo])
+    return exp.close()
 
 
 def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:

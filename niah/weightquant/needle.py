@@ -17,16 +17,15 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .. import env
 from ..config import validate
 from ..data.haystack import haystack_text, tokenize_haystack
 from ..data.needles import NeedleSpec, make_trial
 from ..data.prompts import build_cell
-from ..experiments.grid import cells, trial_rng
+from ..experiments.base import Experiment, too_long_reason
+from ..experiments.grid import cell_keys, cells, trial_rng
 from ..experiments.protocol import compare_logits, context_states, kv_entries, prefill, run_method
 from ..experiments.scoring import string_match_all
 from ..kv.registry import get_method
-from ..rundir import open_table
 from .schemes import FP32, QuantizedModel
 
 REF_METHOD = "fp16"
@@ -66,31 +65,15 @@ class NeedleBench:
         self.prompts = {
             c: build_cell(lm.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(self.cfg, c)), c.style) for c in self.cells
         }
-        self.table = open_table(cfg, "weightquant_needles", out_path)
+        self.exp = Experiment(cfg, "weightquant_needles", lm.name, out_path)
         self._ref: dict = {}
 
     def _row(self, qm: QuantizedModel, cell, method: str) -> dict:
-        return {
-            "config": self.cfg["name"],
-            "config_hash": self.cfg["hash"],
-            "model": self.lm.name,
-            "weights": qm.name,
-            "simulated": qm.scheme.simulated,
-            "prompt_style": cell.style,
-            "length": cell.length,
-            "depth": cell.depth,
-            "trial": cell.trial,
-            "method": method,
-            "seed": self.cfg["seed"],
-            "git_commit": env.git_commit(),
-            "versions": env.versions(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
+        return self.exp.row(weights=qm.name, simulated=qm.scheme.simulated, **cell_keys(self.cfg, cell), method=method)
 
-    def _too_long(self, cell) -> str:
+    def _too_long(self, cell) -> str | None:
         p, n = self.prompts[cell], self.cfg["niah"]
-        need = len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"])
-        return "" if need <= self.lm.max_context else f"context of {need} tokens exceeds the model's limit of {self.lm.max_context}"
+        return too_long_reason(self.cfg, self.lm, len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"]))
 
     @torch.no_grad()
     def _answers(self, cell, methods: list[str]) -> dict:
@@ -116,13 +99,12 @@ class NeedleBench:
 
     def run(self, qm: QuantizedModel, methods: list[str]) -> pd.DataFrame:
         """Rows of ``qm`` x ``methods`` on every cell (only missing ones are computed)."""
-        todo = {c: [m for m in methods if self.table.key(self._row(qm, c, m)) not in self.table.done] for c in self.cells}
+        todo = {c: [m for m in methods if self.exp.table.key(self._row(qm, c, m)) not in self.exp.table.done] for c in self.cells}
         todo = {c: ms for c, ms in todo.items() if ms}
         for c, ms in todo.items():
             reason = self._too_long(c)
             if reason:
-                for m in ms:
-                    self.table.append({**self._row(qm, c, m), "status": "too_long", "reason": reason})
+                self.exp.fail([self._row(qm, c, m) for m in ms], "too_long", reason)
         todo = {c: ms for c, ms in todo.items() if not self._too_long(c)}
         if qm.name != FP32:
             for c in tqdm(todo, desc="fp32 reference cells", leave=False):
@@ -136,20 +118,22 @@ class NeedleBench:
                     ans, extra = answers[m]
                     kl, top1 = compare_logits(self._ref[c].answer_logsoftmax, ans.answer_logsoftmax)
                     p = self.prompts[c]
-                    self.table.append(
-                        {
-                            **self._row(qm, c, m),
-                            "status": "ok",
-                            "reason": "",
-                            "expected": p.expected,
-                            "generated": ans.text,
-                            "score": string_match_all(ans.text, p.expected),
-                            "answer_logprob": ans.answer_logprob,
-                            "kl_vs_ref": kl,
-                            "top1_vs_ref": top1,
-                            "context_tokens": len(p.prefill_ids),
-                            **extra,
-                        }
+                    self.exp.write(
+                        [
+                            {
+                                **self._row(qm, c, m),
+                                "status": "ok",
+                                "reason": "",
+                                "expected": p.expected,
+                                "generated": ans.text,
+                                "score": string_match_all(ans.text, p.expected),
+                                "answer_logprob": ans.answer_logprob,
+                                "kl_vs_ref": kl,
+                                "top1_vs_ref": top1,
+                                "context_tokens": len(p.prefill_ids),
+                                **extra,
+                            }
+                        ]
                     )
-        df = pd.DataFrame(self.table.rows())
+        df = pd.DataFrame(self.exp.table.rows())
         return df[df["weights"] == qm.name].reset_index(drop=True)

@@ -41,8 +41,8 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .. import env
 from ..config import weight_model
+from ..experiments.base import provenance
 from ..models import cache_dir
 from ..report.analysis import summarize
 from ..rundir import RunDir
@@ -188,17 +188,7 @@ class Study:
         }
 
     def _base(self, name: str) -> dict:
-        return {
-            "config": self.cfg["name"],
-            "config_hash": self.cfg["hash"],
-            "model": self.lm.name,
-            "scheme": name,
-            "status": "ok",
-            "seed": self.cfg["seed"],
-            "git_commit": env.git_commit(),
-            "versions": env.versions(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
+        return {**provenance(self.cfg, self.lm.name), "scheme": name, "status": "ok"}
 
     def evaluate(
         self, schemes: list[Scheme], needle: dict[str, list[str]] | None = None, generate_for: tuple[str, ...] = ()

@@ -1,0 +1,81 @@
+"""What every experiment loop shares: a resumable results table, the provenance of each row, and the rows left
+by a context that is too long for the model or a run out of memory.
+
+An experiment (grid, battery, sweep, perplexity through the cache, llama.cpp, the weight schemes' needles)
+opens one :class:`Experiment`, asks it which of its rows are still missing, and writes rows through it, so a
+killed run resumes where it stopped and every row says which config, model, commit and versions made it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .. import env
+from ..rundir import RunDir, open_table
+
+STATUS_REASON_CHARS = 300  # an error message is cut to this many characters in its row
+
+
+def provenance(cfg: dict, model_name: str) -> dict:
+    """The columns every result row starts with: the config, its hash, the model, the seed, the commit, the
+    installed versions and the time the row was written."""
+    return {
+        "config": cfg["name"],
+        "config_hash": cfg["hash"],
+        "model": model_name,
+        "seed": cfg["seed"],
+        "git_commit": env.git_commit(),
+        "versions": env.versions(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def too_long_reason(cfg: dict, loaded, tokens: int) -> str | None:
+    """Why ``tokens`` (context, question and answer) do not fit the loaded model, naming the fix; None if they do."""
+    limit = loaded.max_context
+    if tokens <= limit:
+        return None
+    extend = " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
+    hint = "" if limit > loaded.native_context else extend
+    return f"context of {tokens} tokens (with question and answer) exceeds the model's limit of {limit} tokens.{hint}"
+
+
+class Experiment:
+    """One experiment's results table of ``kind`` (a :data:`~niah.rundir.TABLES` name) for one model.
+
+    ``row(**keys)`` is a row's provenance and keys, ``missing(methods, **keys)`` the methods whose row with those
+    keys is not written yet, and ``write``/``fail`` append rows (``fail``: status ``too_long`` or ``oom`` with
+    its reason) and move the progress bar opened by ``start``."""
+
+    def __init__(self, cfg: dict, kind: str, model_name: str, out_path: Path | None = None, progress: bool = True):
+        self.cfg, self.model_name, self.progress = cfg, model_name, progress
+        self.path = Path(out_path) if out_path else RunDir(cfg).file(kind)
+        self.table = open_table(cfg, kind, self.path)
+        self.bar = None
+
+    def row(self, **keys) -> dict:
+        return {**provenance(self.cfg, self.model_name), **keys}
+
+    def missing(self, methods, **keys) -> list[str]:
+        return [m for m in methods if self.table.key(self.row(method=m, **keys)) not in self.table.done]
+
+    def start(self, total: int, desc: str) -> None:
+        self.bar = tqdm(total=total, desc=f"{desc} [{self.cfg['name']}]", unit="row", disable=not self.progress)
+
+    def write(self, rows: list[dict]) -> None:
+        for r in rows:
+            self.table.append(r)
+        if self.bar is not None:
+            self.bar.update(len(rows))
+
+    def fail(self, rows: list[dict], status: str, reason) -> None:
+        """Write ``rows`` (each a :meth:`row`) as not measured: ``status`` is ``too_long`` or ``oom``."""
+        self.write([{**r, "status": status, "reason": str(reason)[:STATUS_REASON_CHARS]} for r in rows])
+
+    def close(self) -> Path:
+        if self.bar is not None:
+            self.bar.close()
+        return self.path

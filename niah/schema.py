@@ -1,0 +1,112 @@
+"""Every config setting, with its default and what it means, in one place.
+
+A config file (``configs/<name>.yaml``) overrides any of these.  :func:`niah.config.load_config` fills in the
+defaults and checks the whole file when it loads, every section included, so a typo fails at once rather than
+an hour into a run; the readers of each section (:func:`section` and the ``*_settings`` functions beside the
+experiments) add the checks that need more than one setting.
+"""
+
+from __future__ import annotations
+
+import copy
+
+
+class ConfigError(ValueError):
+    """A config file is missing, malformed or asks for something impossible; the message says which and how to fix it."""
+
+
+TOP = {
+    "device": "cpu",  # or cuda
+    "threads": 2,  # torch threads on the CPU
+    "seed": 1234,  # every needle, value and sampled window derives from it
+    "haystack": "pydoc",  # pydoc (CPython's pydoc_data.topics), noise (RULER's filler) or folder
+    "haystack_folder": "data/haystack",  # the .txt files of haystack: folder
+}
+
+NIAH = {  # the needle grid, and what the battery, sweep and llama.cpp runs share with it
+    "lengths": [1024, 2048],  # context lengths in tokens
+    "depths": [0.0, 0.25, 0.5, 0.75, 1.0],  # needle depth in the context: 0 = start, 1 = end
+    "trials": 1,  # seeded trials per (length, depth)
+    "needle": {"kind": "number", "variant": "single", "count": 4},  # niah.data.needles.NeedleSpec
+    "prompt_styles": ["completion"],  # niah.data.prompts.STYLES
+    "methods": ["fp16"],  # KV methods (niah.kv.registry)
+    "reference": "fp16",  # the method every other is paired against
+    "max_new_tokens": 12,  # greedy answer tokens at most
+    "prefill_chunk": 1024,  # tokens per prefill forward pass
+}
+
+BATTERY = {  # notebook 03's needle questions (niah.experiments.battery)
+    "lengths": [4096, 8192, 16384],
+    "contexts": 5,  # stretches of haystack, each asked at every length
+    "needles": 10,  # questions per length and context
+    "depths": "spread",  # single mode: "spread" (0, 1/(n-1), ..., 1) or "centred" ((k + 1/2)/n: no needle at either end)
+    "mode": "single",  # one needle per prompt; "multi_key": every needle of a context in one prompt (distractors)
+    "nested": True,  # multi_key: one context serves every length (False: separate contexts per length, fewer distractors)
+    "methods": None,  # None: niah.methods
+    "sliding_layers": "quantize",  # or "fp16": sliding-window layers kept at fp16 (PackedCache)
+}
+
+SWEEP = {  # notebook 04's stepped pressure sweep (niah.experiments.sweep)
+    "lengths": [1, 256, 512, 1024, 2048],  # context lengths, prefilled in order, one cache grown through them
+    "methods": ["fp16"],
+    "decode_steps": 32,  # paired greedy decode steps per length (TPOT)
+    "hz": 50,  # memory sampling rate
+    "memory_budget_gib": None,  # lengths whose fp32 context exceeds it get oom rows instead of a run
+    "cold_warm": None,  # e.g. {"target": 16384, "warmup": 4096, "repeats": 3}: TTFT at target, cold and after a warm-up
+}
+
+KV_PERPLEXITY = {  # held-out text read through each stored cache (niah.experiments.kvppl)
+    "methods": ["fp16"],
+    "windows": 4,  # held-out windows
+    "context": 2048,  # tokens stored by each method
+    "continuation": 256,  # tokens scored over the stored context
+}
+
+LLAMACPP = {  # llama.cpp side by side on the battery's questions (niah.experiments.llamacpp)
+    "lengths": None,  # battery lengths to ask at; None: the battery's shortest
+    "contexts": 1,  # the battery's first contexts
+    "kv": ["f16", "q8_0", "q4_0"],  # llama.cpp cache types (f16 is the reference)
+    "rotation": [True, False],  # quantized types with llama.cpp's Hadamard rotation and without it
+}
+
+WEIGHTQUANT = {  # notebooks 01 and 02 (niah.weightquant); the sizes are the knobs of the CPU budget
+    "calibration_share": 0.25,  # share of pydoc topic keys used for calibration (see weightquant.data.split_keys)
+    "calibration": {"samples": 16, "seqlen": 256, "sample_tokens": 1024},  # sample_tokens: kept per layer input for AWQ
+    "evaluation": {"windows": 8, "length": 512, "batch": 2},
+    "group": 64,  # weights per scale
+    "autoround": {"iters": 10, "samples": 8, "seqlen": 128, "batch_size": 8, "amp": False},  # the first calibration windows, cut to seqlen
+    "outlier_share": 0.01,  # W4A8: input channels kept in int8 weights (S3-2)
+    "salient_share": 0.01,  # AWQ's experiment: input channels kept in fp16 (S3-5)
+    "salient_bits": [3, 4],
+    "zero_share": 0.3,  # channel mask and magnitude pruning (S3-4)
+    "awq_grid": 20,  # scale exponents searched per layer
+    "needle": {"length": 4096, "depths": [0.25, 0.75], "trials": 1},
+    "kv_methods": ["fp16", "q8_0", "q4_0", "turbo3"],
+    "generate_tokens": 300,  # greedy tokens per scheme for the repetition check
+    "prompt_tokens": 32,
+}
+
+SECTIONS = {"battery": BATTERY, "sweep": SWEEP, "kv_perplexity": KV_PERPLEXITY, "llamacpp": LLAMACPP, "weightquant": WEIGHTQUANT}
+
+
+def section(cfg: dict, name: str) -> dict:
+    """The config's section ``name`` over its defaults (a fresh copy; nested mappings merged one level deep).
+
+    Raises :class:`ConfigError` naming an unknown setting and the valid ones."""
+    defaults = SECTIONS[name]
+    given = cfg.get(name) or {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"{name} must be a mapping of settings; got {given!r}")
+    out = copy.deepcopy(defaults)
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown {name} setting(s) {unknown}; valid: {', '.join(sorted(defaults))}")
+    for k, v in given.items():
+        if isinstance(defaults[k], dict) and isinstance(v, dict):
+            bad = sorted(set(v) - set(defaults[k]))
+            if bad:
+                raise ConfigError(f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}")
+            out[k].update(v)
+        else:
+            out[k] = v
+    return out
