@@ -2,7 +2,7 @@
 
 * :func:`codec_throughput`: quantize and dequantize throughput of each KV method, as a ratio to a plain
   copy of the same fp32 tensor into a preallocated buffer, measured in the same run (``clone()`` is not used as
-  the reference: its fresh allocation's page faults made it vary 10x between runs here).
+  the reference: its fresh allocation's page faults make it vary widely between runs).
 * :func:`decode_attention`: one decode step's attention over a long packed cache, as a ratio to the same step
   over the fp32 cache: dequantize what the cache stores then SDPA, and the chunk-by-chunk read of
   :mod:`niah.kv.attend`.
