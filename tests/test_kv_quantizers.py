@@ -1,11 +1,11 @@
-"""Scalar KV quantizers (niah/kv/quantizers.py) and bit packing (niah/kv/packing.py)."""
+"""Scalar KV quantizers (niah/kv/methods/: q8_0, q4_0, fp4, fp8, kivi, sliding_window) and bit packing (niah/kv/packing.py)."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from niah.kv import rowkernels
+from niah.kv.kernels import rowkernels
 from niah.kv.packing import pack_bits, pack_planes, unpack_bits, unpack_planes
 from niah.kv.registry import get_method
 
@@ -391,7 +391,7 @@ def test_q8_0_rounding_matches_gguf_on_every_float_near_ties():
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_codes_decode_exactly(fp8):
-    from niah.kv.quantizers import _fp8_float
+    from niah.kv.methods.fp8 import _fp8_float
 
     codes = torch.arange(256, dtype=torch.uint8).view(fp8)
     want = codes.float()

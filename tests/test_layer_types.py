@@ -6,8 +6,8 @@ import torch
 
 from niah.experiments.protocol import ask, context_states, prefill
 from niah.kv.cache import PackedCache, PackedLayer
-from niah.kv.fp import CastStorage
 from niah.kv.layout import FULL, LINEAR, SLIDING, CacheLayout, UnsupportedLayout
+from niah.kv.methods.fp16 import CastStorage
 from niah.kv.registry import KVMethod, get_method
 
 CONTEXT = list(range(1, 120))  # longer than the sliding window (16)

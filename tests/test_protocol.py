@@ -38,7 +38,7 @@ def test_the_question_reads_the_prefilled_cache(tiny, cell):
 
 def test_protocol_matches_one_full_forward(tiny, cell):
     """Chunked prefill + question pass over the fp32-stored cache == one forward over the whole prompt."""
-    from niah.kv.fp import CastStorage
+    from niah.kv.methods.fp16 import CastStorage
     from niah.kv.registry import KVMethod
 
     fp32 = KVMethod("fp32", CastStorage("fp32", torch.float32), CastStorage("fp32", torch.float32))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from niah.kv import rowkernels
+from niah.kv.kernels import rowkernels
 from niah.kv.registry import get_method
 
 TURBO_MSE = ["turbo2", "turbo3", "turbo4", "turbo2.5", "turbo3.5"]

@@ -1,4 +1,4 @@
-"""TurboQuant (niah/kv/turbo.py, niah/kv/codebooks.py): codebooks against the paper, unbiasedness of the
+"""TurboQuant (niah/kv/methods/turbo_*.py, niah/kv/codebooks.py): codebooks against the paper, unbiasedness of the
 inner-product variant, storage accounting, seeding, shapes and errors."""
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import torch
 
 from niah.kv.base import KVQuantizer
 from niah.kv.codebooks import coordinate_density, lloyd_max_codebook, unit_vector_mse
+from niah.kv.methods.turbo_base import haar_rotation
+from niah.kv.methods.turbo_mse import TurboQuantMSE
+from niah.kv.methods.turbo_prod import TurboQuantProd
+from niah.kv.methods.turbo_split import TurboQuantSplit
 from niah.kv.registry import available, get_method
-from niah.kv.turbo import TurboQuantMSE, TurboQuantProd, TurboQuantSplit, haar_rotation
 
 NAMES = ["turbo2", "turbo3", "turbo4", "turbo2_prod", "turbo3_prod", "turbo4_prod", "turbo2.5", "turbo3.5"]
 # D_mse = E||u - u_hat||^2 of unit vectors at b = 1..4 bits, d = 128 (the paper rounds these to
@@ -94,7 +97,7 @@ def test_codebook_disk_cache_is_plain_npy(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_fast_nearest_centroid_equals_bucketize_and_argmin(bits):
-    from niah.kv.turbo import _codebook
+    from niah.kv.methods.turbo_base import _codebook
 
     book = _codebook(64, bits, torch.device("cpu"))
     g = torch.Generator().manual_seed(bits)
@@ -112,7 +115,7 @@ def test_fast_nearest_centroid_equals_bucketize_and_argmin(bits):
 
 
 def test_haar_rotation_is_sign_fixed_qr_of_a_gaussian():
-    from niah.kv.turbo import gaussian_matrix
+    from niah.kv.methods.turbo_base import gaussian_matrix
 
     r = haar_rotation(64, 123)
     torch.testing.assert_close(r @ r.T, torch.eye(64, dtype=torch.float64), atol=1e-12, rtol=0)

@@ -5,7 +5,7 @@ allocations of the whole cache at every step) and then attends.  Here each store
 its own (:meth:`KVQuantizer.scores`, :meth:`KVQuantizer.weighted_sum`), and the softmax runs over the joined
 scores:
 
-* on the CPU, every quantized format runs the numba loops of :mod:`niah.kv.rowkernels`: stored vectors are
+* on the CPU, every quantized format runs the numba loops of :mod:`niah.kv.kernels.rowkernels`: stored vectors are
   decoded, four at a time, into a buffer that stays in L1 and used at once, so a step reads the codes, not a
   full-precision copy.
   TurboQuant works in its rotated basis: ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import rowkernels
+from .kernels import rowkernels
 
 
 @dataclass
@@ -91,7 +91,7 @@ class KVQuantizer(ABC):
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ``ValueError`` naming the problem if this method cannot take ``head_dim``."""
 
-    # A numba row decoder (see :mod:`niah.kv.rowkernels`) for reading this format on the CPU without a
+    # A numba row decoder (see :mod:`niah.kv.kernels.rowkernels`) for reading this format on the CPU without a
     # dequantized copy; ``row_args`` gives the arrays it reads.  None: every read dequantizes with torch.
     decode_row = None
 

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import rowkernels
+from .kernels import rowkernels
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 

@@ -91,4 +91,4 @@ def get_method(name: str) -> KVMethod:
 
 def _load_builtin() -> None:
     """Import the modules whose ``@register`` calls add the built-in methods."""
-    from . import fp, int8, quantizers, turbo  # noqa: F401
+    from .methods import fp4, fp8, fp16, int8, kivi, q4_0, q8_0, sliding_window, turbo_mse, turbo_prod, turbo_split  # noqa: F401

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import KVQuantizer, Packed, check_kv_shape
-from .registry import register
+from ..base import KVQuantizer, Packed, check_kv_shape
+from ..registry import register
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Numba CPU kernels of the KV formats: the row-reading machinery (:mod:`.rowkernels`) and TurboQuant's encoders and readers."""
