@@ -59,8 +59,11 @@ class Experiment:
     def row(self, **keys) -> dict:
         return {**provenance(self.cfg, self.model_name), **keys}
 
+    def done(self, row: dict) -> bool:
+        return self.table.key(row) in self.table.done
+
     def missing(self, methods, **keys) -> list[str]:
-        return [m for m in methods if self.table.key(self.row(method=m, **keys)) not in self.table.done]
+        return [m for m in methods if not self.done(self.row(method=m, **keys))]
 
     def start(self, total: int, desc: str) -> None:
         self.bar = tqdm(total=total, desc=f"{desc} [{self.cfg['name']}]", unit="row", disable=not self.progress)

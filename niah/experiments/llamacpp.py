@@ -158,10 +158,7 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
     def row(q, method):
         return exp.row(**cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial)), context=q.context, method=method)
 
-    def needed(q, name) -> bool:
-        return exp.table.key(row(q, name)) not in exp.table.done
-
-    todo = [(name, kv, rot) for name, kv, rot in runs if any(needed(q, name) for _, q in prompts)]
+    todo = [(name, kv, rot) for name, kv, rot in runs if any(not exp.done(row(q, name)) for _, q in prompts)]
     if not todo:
         return exp.path
     n_ctx = max(len(ids) + len(q.question_ids) + max(len(q.answer_ids), max_new) for ids, q in prompts) + 8
@@ -175,7 +172,7 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
         llm = open_llama(gguf, n_ctx, kv, rot, cfg["threads"])
         try:
             for ids, q in prompts:
-                wanted = needed(q, name)
+                wanted = not exp.done(row(q, name))
                 if name != runs[0][0] and not wanted:
                     exp.bar.update(1)
                     continue

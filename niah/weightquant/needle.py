@@ -99,7 +99,7 @@ class NeedleBench:
 
     def run(self, qm: QuantizedModel, methods: list[str]) -> pd.DataFrame:
         """Rows of ``qm`` x ``methods`` on every cell (only missing ones are computed)."""
-        todo = {c: [m for m in methods if self.exp.table.key(self._row(qm, c, m)) not in self.exp.table.done] for c in self.cells}
+        todo = {c: [m for m in methods if not self.exp.done(self._row(qm, c, m))] for c in self.cells}
         todo = {c: ms for c, ms in todo.items() if ms}
         for c, ms in todo.items():
             reason = self._too_long(c)
