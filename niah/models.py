@@ -142,7 +142,7 @@ def _converted_folder(spec: dict) -> Path:
         shutil.rmtree(folder)
     gguf = verified_gguf(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, use_kernels=False)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ImportError as err:
         raise ModelUnavailable(f"reading GGUF files needs the `gguf` and `accelerate` packages: {err}") from None
@@ -222,7 +222,8 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
             config = AutoConfig.from_pretrained(folder, **kwargs)
             native = config.max_position_embeddings
             max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
-            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs)
+            # use_kernels=False: no kernels fetched from the hub (transformers >= 5.25 asks for them by default)
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_kernels=False, **kwargs)
             tok = AutoTokenizer.from_pretrained(folder, **kwargs)
         except SafetensorError as err:
             raise ModelUnavailable(

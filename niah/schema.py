@@ -102,11 +102,31 @@ def section(cfg: dict, name: str) -> dict:
     if unknown:
         raise ConfigError(f"unknown {name} setting(s) {unknown}; valid: {', '.join(sorted(defaults))}")
     for k, v in given.items():
+        check_type(f"{name}.{k}", defaults[k], v)
         if isinstance(defaults[k], dict) and isinstance(v, dict):
             bad = sorted(set(v) - set(defaults[k]))
             if bad:
                 raise ConfigError(f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}")
+            for kk, vv in v.items():
+                check_type(f"{name}.{k}.{kk}", defaults[k][kk], vv)
             out[k].update(v)
         else:
             out[k] = v
     return out
+
+
+_KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "a mapping"))
+
+
+def check_type(where: str, default, value) -> None:
+    """``value`` is of its default's kind: a number where the default is a float, never a bool where it is an int,
+    anything where it is None.  Raises :class:`ConfigError` naming the setting, the kind it takes and what it got."""
+    if default is None:
+        return
+    kind, words = next((k, w) for k, w in _KINDS if isinstance(default, k))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{where} must be {words} (its default is {default!r}); got {value!r}")

@@ -216,6 +216,13 @@ def test_an_unknown_config_is_named_by_report_and_summary(capsys):
         ({"model": {"source": "hub"}}, "source hub needs id"),
         ({"niah": {"depths": ["half"]}}, r"numbers in \[0, 1\]"),
         ({"haystack": "wikipedia"}, "unknown haystack 'wikipedia'; choose one of pydoc, noise, folder"),
+        ({"kv_perplexity": {"windows": "six"}}, r"kv_perplexity.windows must be an integer \(its default is 4\); got 'six'"),
+        ({"sweep": {"decode_steps": True}}, "sweep.decode_steps must be an integer"),
+        ({"weightquant": {"autoround": {"amp": "no"}}}, "weightquant.autoround.amp must be true or false"),
+        ({"weightquant": {"needle": 4096}}, "weightquant.needle must be a mapping"),
+        ({"battery": {"lengths": 4096}}, "battery.lengths must be a list"),
+        ({"seed": "1234"}, "seed must be an integer"),
+        ({"niah": {"max_new_tokens": 1.5}}, "niah.max_new_tokens must be an integer"),
     ],
 )
 def test_a_bad_setting_fails_at_load(smoke_cfg, change, message):

@@ -201,6 +201,14 @@ def test_perplexity_verdicts_follow_the_measurements():
     assert r["verdict"] == "inconclusive (code completion not measured; no needle loss: supported; no perplexity loss: supported)"
 
 
+def test_fp4_is_supported_by_whichever_rows_ran_it():
+    assert verdict("S1-6", Evidence("x")) == "untestable"
+    r = row("S1-6", Evidence("x", kv_ppl=_kv_ppl(fp4_e2m1=1.02)))
+    assert r["verdict"] == "supported" and "perplexity vs fp16: fp4_e2m1 +2.00%" in r["measured"]
+    r = row("S1-6", Evidence("x", niah=_niah(fp16=(1, 16, 0, -1), fp4_e2m1=(1, 4.5, 0, -1))))
+    assert r["verdict"] == "supported" and "needle accuracy 1.00" in r["measured"]
+
+
 def test_accuracy_drop_interval_is_paired_and_stays_wide_with_few_questions():
     d = claims._drops(Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0, -1))), "q8_0")["q8_0"]
     assert d["n"] == 5 and d["drop"] == 0 and d["drop_low"] < -0.4 and d["drop_high"] > 0.4  # a bootstrap would give [0, 0]

@@ -51,6 +51,8 @@ def test_decode_steps_past_the_window_match_a_plain_forward(hybrid):
 
 def test_a_quantized_method_changes_the_logits_through_every_layer_type_it_stores(hybrid):
     states = context_states(prefill(hybrid.model, CONTEXT, chunk=32))
+    # a plain int: transformers >= 5.25 counts a linear layer's tokens in a tensor that later steps add to in place
+    assert all(type(st.seen) is int and st.seen == len(CONTEXT) for st in states)
     ref = PackedCache.from_states(states, get_method("fp16"))
     lossy = PackedCache.from_states(states, get_method("q4_0"))
     kinds = {layer.layer_type for layer in lossy.layers if isinstance(layer, PackedLayer)}

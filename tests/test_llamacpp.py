@@ -91,6 +91,15 @@ def test_without_the_extra_the_section_says_how_to_install_it(monkeypatch, smoke
     assert "make setup-llamacpp" in capsys.readouterr().out
 
 
+def test_a_config_without_a_battery_skips_the_cross_check_and_says_why(monkeypatch, smoke_cfg, capsys):
+    import niah.experiments.llamacpp as lc
+
+    monkeypatch.setattr(lc, "installed", lambda: True)
+    cfg = {**smoke_cfg, "model": {**smoke_cfg["model"], "source": "package"}, "battery": None}
+    assert cross_check(cfg, None, None) is None
+    assert "has no battery: section" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["model", "weight_model"])  # Gemma-3-270M Q4_K_M, SmolLM2-135M Q4_1
 def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs(tmp_path, which):

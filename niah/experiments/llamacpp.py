@@ -281,6 +281,9 @@ def cross_check(cfg: dict, lm, run) -> dict | None:
             f"llama.cpp cross-check skipped: it needs the model as a GGUF file (source package or assembled), not {cfg['model']['source']}."
         )
         return None
+    if not cfg["battery"]:
+        print(f"llama.cpp cross-check skipped: it asks the battery's questions, and config {cfg['name']} has no battery: section.")
+        return None
     run_llamacpp(cfg, lm, run.file("llamacpp"))
     lcpp = run.rows("llamacpp")
     return {"agreement": agreement_table(lcpp, run.rows("needles")), "speed": speed_table(lcpp)}

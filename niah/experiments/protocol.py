@@ -45,7 +45,7 @@ def context_states(cache: DynamicCache) -> list[LayerState]:
     Keys and values ``(batch, kv_heads, tokens, head_dim)`` of attention layers (a sliding layer: its last
     ``window - 1`` tokens, also when the cache records the past for :meth:`~transformers.Cache.crop`); a copy of
     each linear-attention layer, whose states transformers updates in place."""
-    seen = cache.get_seq_length()
+    seen = int(cache.get_seq_length())  # transformers >= 5.25 may return a layer's live counter tensor
     out = []
     for i, layer in enumerate(cache.layers):
         if type(layer) is LinearAttentionLayer:

@@ -485,14 +485,21 @@ def s1_5(ev):
 
 
 def s1_6(ev):
+    """Supported when fp4_e2m1 ran: in the needle rows (accuracy) or, where the chain ran it only there, the
+    perplexity-through-cache rows (perplexity against fp16)."""
     fp4 = ev.niah_method("fp4_e2m1")
-    if not len(fp4):
-        return _missing("fp4_e2m1 rows")
-    lo, hi = wilson_interval(fp4["score"].sum(), len(fp4))
-    return (
-        f"fp4_e2m1 (1 sign, 2 exponent, 1 mantissa bit, fp16 scale per 32) stores {fp4['bits_per_value'].mean():.2f} bits/value, "
-        f"accuracy {fp4['score'].mean():.2f} [{lo:.2f}, {hi:.2f}] (n={len(fp4)})"
-    ), "supported"
+    what = "fp4_e2m1 (1 sign, 2 exponent, 1 mantissa bit, fp16 scale per 32)"
+    if len(fp4):
+        lo, hi = wilson_interval(fp4["score"].sum(), len(fp4))
+        return (
+            f"{what} stores {fp4['bits_per_value'].mean():.2f} bits/value, "
+            f"needle accuracy {fp4['score'].mean():.2f} [{lo:.2f}, {hi:.2f}] (n={len(fp4)})"
+        ), "supported"
+    table = _ppl(ev)
+    if table is None or "fp4_e2m1" not in table.index:
+        return _missing("fp4_e2m1 needle or perplexity rows")
+    bits = ev.kv_ppl.loc[ev.kv_ppl["method"] == "fp4_e2m1", "bits_per_value"].mean()
+    return f"{what} stores {bits:.2f} bits/value, perplexity vs fp16: {_ppl_text(table, 'fp4_e2m1')}", "supported"
 
 
 def s3_6(ev):
