@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from .data.prompts import STYLES
-from .schema import NIAH, SECTIONS, TOP, ConfigError, check_type
+from .schema import NIAH, SECTIONS, TOP, ConfigError, check_types
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
@@ -85,10 +85,7 @@ def validate(raw: dict, where: str = "config") -> dict:
         strict=True,
     )
     try:
-        for key, default in TOP.items():
-            check_type(key, default, cfg[key])
-        for key, default in NIAH.items():
-            check_type(f"niah.{key}", default, cfg["niah"][key])
+        check_types("", DEFAULTS, {k: cfg[k] for k in DEFAULTS})
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
     name = cfg["name"]

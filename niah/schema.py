@@ -101,14 +101,12 @@ def section(cfg: dict, name: str) -> dict:
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise ConfigError(f"unknown {name} setting(s) {unknown}; valid: {', '.join(sorted(defaults))}")
+    check_types(name, defaults, given)
     for k, v in given.items():
-        check_type(f"{name}.{k}", defaults[k], v)
-        if isinstance(defaults[k], dict) and isinstance(v, dict):
+        if isinstance(defaults[k], dict):
             bad = sorted(set(v) - set(defaults[k]))
             if bad:
                 raise ConfigError(f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}")
-            for kk, vv in v.items():
-                check_type(f"{name}.{k}.{kk}", defaults[k][kk], vv)
             out[k].update(v)
         else:
             out[k] = v
@@ -118,15 +116,21 @@ def section(cfg: dict, name: str) -> dict:
 _KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "a mapping"))
 
 
-def check_type(where: str, default, value) -> None:
-    """``value`` is of its default's kind: a number where the default is a float, never a bool where it is an int,
-    anything where it is None.  Raises :class:`ConfigError` naming the setting, the kind it takes and what it got."""
-    if default is None:
-        return
-    kind, words = next((k, w) for k, w in _KINDS if isinstance(default, k))
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"{where} must be {words} (its default is {default!r}); got {value!r}")
+def check_types(where: str, defaults: dict, given: dict) -> None:
+    """Every setting of ``given`` (and of its mappings, one level down) is of its default's kind: a number where
+    the default is a float, never a bool where it is an int, anything where it is None.  ``where`` prefixes the
+    names in the message (``""`` for top-level settings).  Raises :class:`ConfigError` naming the setting, the
+    kind it takes and what it got."""
+    for key, value in given.items():
+        default, name = defaults[key], f"{where}.{key}" if where else key
+        if default is None:
+            continue
+        kind, words = next((k, w) for k, w in _KINDS if isinstance(default, k))
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"{name} must be {words} (its default is {default!r}); got {value!r}")
+        if kind is dict:
+            check_types(name, default, {k: v for k, v in value.items() if k in default})

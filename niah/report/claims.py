@@ -498,7 +498,7 @@ def s1_6(ev):
     table = _ppl(ev)
     if table is None or "fp4_e2m1" not in table.index:
         return _missing("fp4_e2m1 needle or perplexity rows")
-    bits = ev.kv_ppl.loc[ev.kv_ppl["method"] == "fp4_e2m1", "bits_per_value"].mean()
+    bits = table.loc["fp4_e2m1", "bits_per_value"]
     return f"{what} stores {bits:.2f} bits/value, perplexity vs fp16: {_ppl_text(table, 'fp4_e2m1')}", "supported"
 
 
