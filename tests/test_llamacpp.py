@@ -4,7 +4,7 @@ the ``[llamacpp]`` extra installed, as CI has it) llama.cpp itself on the Gemma 
 import pandas as pd
 import pytest
 
-from niah.experiments.llamacpp import agreement_table, cross_check, llamacpp_settings, speed_table, variants
+from niah.experiments.llamacpp import agreement_table, cross_check, llamacpp_settings, run_llamacpp, speed_table, variants
 from niah.report.claims import Evidence, _llamacpp_note
 
 
@@ -98,6 +98,11 @@ def test_a_config_without_a_battery_skips_the_cross_check_and_says_why(monkeypat
     cfg = {**smoke_cfg, "model": {**smoke_cfg["model"], "source": "package"}, "battery": None}
     assert cross_check(cfg, None, None) is None
     assert "has no battery: section" in capsys.readouterr().out
+
+
+def test_run_llamacpp_without_a_battery_refuses_rather_than_ask_default_questions(smoke_cfg):
+    with pytest.raises(ValueError, match="has no battery: section"):
+        run_llamacpp({**smoke_cfg, "battery": None}, None)
 
 
 @pytest.mark.slow

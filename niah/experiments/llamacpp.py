@@ -145,6 +145,8 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
 
     ``lm`` is the transformers model of the same GGUF (its tokenizer builds the prompts)."""
     s = llamacpp_settings(cfg)
+    if not cfg.get("battery"):
+        raise ValueError(f"llamacpp: it asks the battery's questions, and config {cfg['name']} has no battery: section; add one")
     battery_lengths = battery_settings(cfg)["lengths"]
     lengths = s["lengths"] or battery_lengths[:1]
     if not set(lengths) <= set(battery_lengths):
