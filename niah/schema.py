@@ -33,6 +33,9 @@ NIAH = {  # the needle grid, and what the battery, sweep and llama.cpp runs shar
     "reference": "fp16",  # the method every other is paired against
     "max_new_tokens": 12,  # greedy answer tokens at most
     "prefill_chunk": 1024,  # tokens per prefill forward pass
+    # the prompt chunk of methods read in vLLM's engine mode (name@engine): vLLM 0.34.0's default max_num_batched_tokens
+    # on a >= 70 GiB GPU (H100, H200) with the LLM class (engine/arg_utils.py, get_batch_defaults); `vllm serve` uses 8192 there
+    "engine_chunk": 16384,
 }
 
 BATTERY = {  # notebook 03's needle questions (niah.experiments.battery)

@@ -44,7 +44,7 @@ from ..kv.registry import get_method
 from ..schema import section
 from .base import Experiment, too_long_reason
 from .grid import Cell, SharedPrompt, cell_keys, extend_shared
-from .protocol import answer_fields, ask, context_states, kv_entries, prefill
+from .protocol import answer_fields, ask, check_engine_reads, context_states, kv_entries, prefill
 
 
 def battery_settings(cfg: dict) -> dict:
@@ -193,6 +193,7 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
     CacheLayout.from_config(lm.model.config).check_context(s["lengths"][0], lm.name)
+    check_engine_reads(methods, s["lengths"][-1], n["engine_chunk"])
     style, ref = n["prompt_styles"][0], n["reference"]
     contexts = battery_contexts(cfg, lm, s)
 
@@ -210,7 +211,7 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
         return exp.path
     torch.set_num_threads(cfg["threads"])
     exp.start(todo, "needle battery")
-    how = Asking(methods, ref, missing, row, n["max_new_tokens"], s["sliding_layers"])
+    how = Asking(methods, ref, missing, row, n["max_new_tokens"], s["sliding_layers"], n["engine_chunk"])
     if s["mode"] == "single":
         for prompts in contexts:
             _run_single_context(exp, lm, prompts, how)
@@ -229,6 +230,7 @@ class Asking:
     row: Callable[[Question, str], dict]
     max_new: int
     sliding: str
+    engine_chunk: int
 
 
 def _stretch(hay: TokenHaystack, c: int, contexts: int, length: int) -> TokenHaystack:
@@ -316,7 +318,7 @@ def _ask_all(lm, states, qs: list[Question], prefill_s: float, how: Asking) -> l
     todo = {m for q in qs for m in missing(q)}
     for name in [ref, *(m for m in methods if m != ref and m in todo)]:
         t0 = time.perf_counter()
-        stored = PackedCache.from_states(states, methods[name], sliding=sliding)
+        stored = PackedCache.from_states(states, methods[name], sliding=sliding, engine_chunk=how.engine_chunk)
         quantize_s = time.perf_counter() - t0
         stored.dequantize_now()
         nbytes = stored.nbytes()

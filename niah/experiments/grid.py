@@ -24,7 +24,7 @@ from ..data.prompts import CellPrompt, build_cell
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
 from .base import Experiment, too_long_reason
-from .protocol import answer_fields, context_states, kv_entries, prefill, run_method
+from .protocol import answer_fields, check_engine_reads, context_states, kv_entries, prefill, run_method
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
     for m in methods.values():
         m.check_head_dim(loaded.head_dim)
     CacheLayout.from_config(loaded.model.config).check_context(min(n["lengths"]), loaded.name)
+    check_engine_reads(methods, max(n["lengths"]), n["engine_chunk"])
 
     def missing(cell):
         return exp.missing(methods, **cell_keys(cfg, cell))
@@ -131,7 +132,7 @@ def _run_cell(exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods
         answers, rows = {}, []
         for name in order:
             ans, stored, quantize_s = run_method(
-                loaded.model, loaded.tokenizer, kv, methods[name], p.question_ids, p.answer_ids, n["max_new_tokens"]
+                loaded.model, loaded.tokenizer, kv, methods[name], p.question_ids, p.answer_ids, n["max_new_tokens"], n["engine_chunk"]
             )
             answers[name] = ans
             if name not in todo_methods:

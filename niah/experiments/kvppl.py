@@ -23,10 +23,11 @@ import torch
 
 from ..config import ConfigError
 from ..kv.cache import PackedCache
+from ..kv.layout import FULL, SLIDING
 from ..kv.registry import get_method
 from ..schema import section
 from .base import Experiment
-from .protocol import compare_logits, context_states, kv_entries, prefill
+from .protocol import check_engine_reads, compare_logits, context_states, kv_entries, prefill, read_prompt
 
 BOOTSTRAP = 2000  # resamples of the windows for the interval of perplexity_table
 
@@ -57,6 +58,7 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
     methods = {m: get_method(m) for m in s["methods"]}
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
+    check_engine_reads(methods, s["context"], cfg["niah"]["engine_chunk"])
     exp = Experiment(cfg, "kv_perplexity", lm.name, out_path, progress)
     todo = {w: exp.missing(methods, window=w) for w in range(s["windows"])}
     if not any(todo.values()):
@@ -73,7 +75,7 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
         kv = context_states(prefill(lm.model, ids[: s["context"]], chunk=cfg["niah"]["prefill_chunk"]))
         ref_logsm = None
         for name in [ref] + [m for m in names if m != ref]:
-            row, logsm = _score(lm, kv, methods[name], ids[s["context"] :])
+            row, logsm = _score(lm, kv, methods[name], ids[s["context"] :], cfg["niah"]["engine_chunk"])
             if name == ref:
                 ref_logsm = logsm
             row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
@@ -82,17 +84,20 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
     return exp.close()
 
 
-def _score(lm, kv, method, continuation: list[int]) -> tuple[dict, torch.Tensor]:
+def _score(lm, kv, method, continuation: list[int], engine_chunk: int) -> tuple[dict, torch.Tensor]:
     """One teacher-forced pass of ``continuation`` over ``kv`` stored by ``method``: the row's numbers and the
-    next-token log-softmax ``(len(continuation) - 1, vocab)``."""
-    stored = PackedCache.from_states(kv, method)
+    next-token log-softmax ``(len(continuation) - 1, vocab)``.  In the ``engine`` read mode the context is a cached
+    prefix (a prefix-cache hit) and the continuation the new request's prompt, read as vLLM reads it."""
+    stored = PackedCache.from_states(kv, method, engine_chunk=engine_chunk, fresh_prompt=False)
     values = kv_entries(kv)
     bits = 8 * stored.nbytes()["total"] / values
     ids = torch.tensor([continuation], device=next(lm.model.parameters()).device)
-    logits = lm.model(input_ids=ids, cache=stored, use_cache=True).logits[0, :-1].float()
+    logits = read_prompt(lm.model, stored, continuation).logits[0, :-1].float()
     logsm = torch.log_softmax(logits, dim=-1)
     nll = -logsm.gather(1, ids[0, 1:, None]).squeeze(1)
-    return {"nll_sum": float(nll.sum()), "scored_tokens": int(nll.numel()), "bits_per_value": bits}, logsm.cpu()
+    fields = {"nll_sum": float(nll.sum()), "scored_tokens": int(nll.numel()), "bits_per_value": bits}
+    by_type = {f"kv_bytes_{k}": v for k, v in stored.nbytes().items() if k in (FULL, SLIDING)}
+    return {**fields, **by_type, "read_mode": method.read_mode, "layer_policy": method.layers.describe()}, logsm.cpu()
 
 
 def perplexity_table(df: pd.DataFrame, ref: str = "fp16", bootstrap: int = BOOTSTRAP, seed: int = 0) -> pd.DataFrame:

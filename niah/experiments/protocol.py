@@ -5,7 +5,7 @@
 2. :func:`context_states` takes each layer's context out of it (keys and values of attention layers, the
    recurrent state of linear-attention ones) and a KV method stores it in a :class:`~niah.kv.cache.PackedCache`.
 3. :func:`ask` runs the question over the packed cache, so every question and answer token reads the
-   quantized context (no "prefill gap"), then
+   quantized context (no "prefill gap"; in the ``engine`` read mode, as vLLM reads it: see :mod:`niah.kv.cache`), then
    * teacher-forces the expected answer: its log-probability and the per-position log-softmax
      (for KL and top-1 agreement against the reference method), and
    * decodes greedily for the scored text (from the first token where the teacher-forced argmax leaves
@@ -91,7 +91,7 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     """
     device = next(model.parameters()).device
     t0 = time.perf_counter()
-    out = model(input_ids=torch.tensor([question_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    out = read_prompt(model, cache, question_ids, logits_to_keep=1)
     question_s = time.perf_counter() - t0
 
     forced = model(input_ids=torch.tensor([answer_ids], device=device), cache=cache.clone(), use_cache=True)
@@ -108,6 +108,19 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     generated = answer_ids[:j] + [int(logsm[j].argmax())]
     decode_s = greedy_from(generated, step, max_new_tokens, tokenizer.eos_token_id, tokenizer.decode)
     return Answer(tokenizer.decode(generated, skip_special_tokens=True), answer_logprob, logsm.cpu(), decode_s, question_s)
+
+
+def read_prompt(model, cache: PackedCache, ids: list[int], logits_to_keep: int = 0):
+    """Run prompt tokens ``ids`` over ``cache`` in the passes its read mode takes (:meth:`PackedCache.pieces`); the
+    model output of the last pass (``logits_to_keep=0``: the logits of every position of every pass, joined)."""
+    device = next(model.parameters()).device
+    outs = [
+        model(input_ids=torch.tensor([p], device=device), cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
+        for p in cache.pieces(ids)
+    ]
+    if not logits_to_keep and len(outs) > 1:
+        outs[-1].logits = torch.cat([o.logits for o in outs], dim=1)
+    return outs[-1]
 
 
 def teacher_forced(logsm: torch.Tensor, answer_ids: list[int]) -> tuple[float, int]:
@@ -165,15 +178,32 @@ def answer_fields(
         "linear_state_bytes": nbytes["linear_state"],
         "bits_per_value": 8 * nbytes["total"] / values,
         "analytical_bits": method.analytical_bits(head_dim),
+        "read_mode": method.read_mode,
+        "layer_policy": method.layers.describe(),
         "question_s": ans.question_s,
         "decode_s_per_token": ans.decode_s_per_token,
     }
 
 
-def run_method(model, tokenizer, states, method: KVMethod, question_ids, answer_ids, max_new_tokens) -> tuple[Answer, dict, float]:
+def check_engine_reads(methods, longest_context: int, chunk: int) -> None:
+    """Raise unless every ``engine``-mode method among ``methods`` (name -> :class:`KVMethod`) can be read so here: a
+    context longer than the prompt chunk would need a prefill per method for its later chunks (they read the first
+    chunk dequantized), which this repo does not run; the shared prefill reads raw keys and values throughout."""
+    engine = [m for m, meth in methods.items() if meth.read_mode == "engine"]
+    if engine and longest_context > chunk:
+        raise ValueError(
+            f"{', '.join(engine)}: a {longest_context}-token context is longer than niah.engine_chunk ({chunk} tokens), and its "
+            "later chunks would need a prefill per method, which this repo does not run yet: raise niah.engine_chunk to at "
+            f"least {longest_context} (vLLM's max_num_batched_tokens) or drop the longer lengths"
+        )
+
+
+def run_method(
+    model, tokenizer, states, method: KVMethod, question_ids, answer_ids, max_new_tokens, engine_chunk: int | None = None
+) -> tuple[Answer, dict, float]:
     """Store the context ``states`` with ``method`` and ask; returns (answer, stored bytes, quantize seconds)."""
     t0 = time.perf_counter()
-    cache = PackedCache.from_states(states, method)
+    cache = PackedCache.from_states(states, method, engine_chunk=engine_chunk)
     quantize_s = time.perf_counter() - t0
     stored = cache.nbytes()
     return ask(model, tokenizer, cache, question_ids, answer_ids, max_new_tokens), stored, quantize_s

@@ -13,6 +13,25 @@ shorter than :data:`MERGE_BELOW` tokens.  ``n`` decode steps leave ``O(log n)`` 
 two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed Python overhead per
 read, more than copying a few hundred tokens' codes.
 
+Read modes (``method.read_mode``, :mod:`niah.kv.registry`).  ``strict``: every read goes through the stored
+form, the question's own tokens included, as llama.cpp reads its cache.  ``engine``: vLLM's TurboQuant backend
+(``vllm/v1/attention/backends/turboquant_attn.py``, vLLM 0.34.0), which stores every token before attention and
+then reads, per forward pass of ``n`` new tokens (a chunk of the prompt, of at most ``engine_chunk`` tokens, or a
+decode step):
+
+* within a prompt's first chunk, the raw keys and values (its prefill attends over what it just computed);
+* in a later chunk of more than :data:`CONTINUATION_DECODE_THRESHOLD` tokens, the earlier tokens dequantized and
+  its own tokens raw (``_continuation_prefill``);
+* in a chunk of at most that many tokens, and in decode steps, everything from the stored form (the decode kernel).
+
+:meth:`PackedCache.from_states` with ``fresh_prompt=True`` stores a context as the first tokens of a prompt: until
+a pass reaches ``engine_chunk`` tokens, the layer keeps their raw keys and values besides the stored form (the
+activations of the prefill in flight, not counted as storage) and reads them.  ``fresh_prompt=False`` stores it as
+a cached prefix (a prefix-cache hit).  Callers split passes at multiples of ``engine_chunk``
+(:meth:`PackedCache.pieces`).
+
+A method's layer policy (:class:`~niah.kv.registry.LayerPolicy`) picks the layers it stores; the others get fp16.
+
 A sliding-window layer (``window`` set) keeps only what transformers' sliding layers keep, the last
 ``window - 1`` tokens: it is read back that far, and a chunk is dropped once every one of its tokens is older
 than that (its chunks are never merged, so they can be dropped whole).  A linear-attention layer's recurrent
@@ -43,6 +62,7 @@ from .base import concat_tokens
 from .layout import FULL, LINEAR, SLIDING
 from .registry import KVMethod, get_method
 
+CONTINUATION_DECODE_THRESHOLD = 128  # vLLM's _CONTINUATION_DECODE_THRESHOLD (turboquant_attn.py)
 FUSED = "niah_packed"  # the attention implementation that reads PackedLayer codes in decode steps
 MERGE_BELOW = 256  # tokens: a chunk shorter than this absorbs the next one (tokenwise formats)
 
@@ -68,9 +88,17 @@ class PackedLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(
-        self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True, fused_decode: bool = False, window: int | None = None
+        self,
+        method: KVMethod,
+        layer_idx: int,
+        keep_dequantized: bool = True,
+        fused_decode: bool = False,
+        window: int | None = None,
+        raw_until: int | None = None,
     ):
         super().__init__()
+        self.raw_until = raw_until  # engine reads: raw keys and values for passes that end by this token (None: strict reads)
+        self.raw: tuple[torch.Tensor, torch.Tensor] | None = None  # those raw keys and values, while a pass may read them
         self.method = method
         self.window = window
         self.is_sliding = window is not None
@@ -141,19 +169,45 @@ class PackedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        visible = self.get_mask_sizes(key_states.shape[-2])[0]
-        self.seen += key_states.shape[-2]
+        n = key_states.shape[-2]
+        visible = self.get_mask_sizes(n)[0]
+        reads = self._engine_reads(n)
+        if reads == "own_raw":  # the tokens stored before this pass, dequantized, then its own raw ones
+            before = self._read()
+        self.seen += n
         self.res_k = torch.cat([self.res_k, key_states], dim=-2)
         self.res_v = torch.cat([self.res_v, value_states], dim=-2)
         self._flush()
-        if self.fused_decode and key_states.shape[-2] == 1:
+        if self.fused_decode and n == 1:
             return self, self  # read by packed_attention (one decode step), not dequantized
-        dk, dv = self._dequantized()
-        k, v = torch.cat([dk, self.res_k], dim=-2), torch.cat([dv, self.res_v], dim=-2)
+        if reads == "raw":
+            k, v = key_states, value_states
+            if self.raw is not None:
+                k, v = torch.cat([self.raw[0], k], dim=-2), torch.cat([self.raw[1], v], dim=-2)
+            keep = k.shape[-2] if self.window is None else self.window - 1
+            self.raw = (k[..., -keep:, :], v[..., -keep:, :])
+        elif reads == "own_raw":
+            k, v = torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
+        else:
+            k, v = self._read()
         if self.is_sliding:
             self._drop_outside_window()
             k, v = k[..., -visible:, :], v[..., -visible:, :]
         return k, v
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token, read back: ``(B, H, T, D)`` keys and values (chunks dequantized, then the residual)."""
+        dk, dv = self._dequantized()
+        return torch.cat([dk, self.res_k], dim=-2), torch.cat([dv, self.res_v], dim=-2)
+
+    def _engine_reads(self, n: int) -> str:
+        """How a pass of ``n`` new tokens reads this layer: ``raw``, ``own_raw`` or ``stored`` (module docstring)."""
+        if self.raw_until is None:
+            return "stored"
+        if self.seen + n <= self.raw_until:
+            return "raw"
+        self.raw = None  # the prompt's first chunk is over
+        return "own_raw" if n > CONTINUATION_DECODE_THRESHOLD else "stored"
 
     def _drop_outside_window(self) -> None:
         """Drop the oldest chunks while the rest still holds the last ``window - 1`` tokens."""
@@ -193,9 +247,22 @@ class PackedCache(Cache):
     the default ``"quantize"`` stores every attention layer with it.
     """
 
-    def __init__(self, method: KVMethod, layers: list):
+    def __init__(self, method: KVMethod, layers: list, engine_chunk: int | None = None):
         super().__init__(layers=layers)
         self.method = method
+        self.engine_chunk = engine_chunk  # engine reads: the prompt's chunk size (None: strict reads)
+
+    def pieces(self, ids: list[int]) -> list[list[int]]:
+        """``ids``, the next tokens, in the forward passes that read them: split at multiples of ``engine_chunk``
+        (engine reads), or one pass."""
+        if self.engine_chunk is None:
+            return [ids]
+        start, out = next(layer.seen for layer in self.layers if isinstance(layer, PackedLayer)), []
+        while ids:
+            take = self.engine_chunk - start % self.engine_chunk
+            out.append(ids[:take])
+            ids, start = ids[take:], start + take
+        return out
 
     @classmethod
     def from_states(
@@ -205,21 +272,30 @@ class PackedCache(Cache):
         keep_dequantized: bool = True,
         fused_decode: bool = False,
         sliding: str = "quantize",
+        engine_chunk: int | None = None,
+        fresh_prompt: bool = True,
     ) -> "PackedCache":
-        """Store a prefilled context (:func:`niah.experiments.protocol.context_states`) with ``method``."""
+        """Store a prefilled context (:func:`niah.experiments.protocol.context_states`) with ``method``, in the layers
+        its policy stores (and, ``sliding="fp16"``, not in sliding-window layers); the others at fp16.  A method read in
+        ``engine`` mode needs ``engine_chunk``; ``fresh_prompt``: the context is the start of a prompt, not a cached prefix."""
         if sliding not in SLIDING_LAYERS:
             raise ValueError(f"unknown sliding-layer storage {sliding!r}: choose {' or '.join(SLIDING_LAYERS)}")
+        engine = method.read_mode == "engine"
+        if engine and not engine_chunk:
+            raise ValueError(f"{method.name} reads the cache as vLLM does and needs the prompt's chunk size (niah.engine_chunk)")
+        hybrid = any(st.kind == LINEAR for st in states)
         layers = []
         for i, st in enumerate(states):
             if st.kind == LINEAR:
                 layers.append(copy.deepcopy(st.linear))
                 continue
-            m = get_method("fp16") if st.kind == SLIDING and sliding == "fp16" else method
-            layer = PackedLayer(m, i, keep_dequantized, fused_decode, window=st.window)
+            stored = method.layers.stores(i, st.kind, len(states), hybrid) and not (st.kind == SLIDING and sliding == "fp16")
+            raw_until = (engine_chunk if fresh_prompt else 0) if engine else None
+            layer = PackedLayer(method if stored else get_method("fp16"), i, keep_dequantized, fused_decode, st.window, raw_until)
             layer.update(st.keys, st.values)
             layer.seen = st.seen
             layers.append(layer)
-        return cls(method, layers)
+        return cls(method, layers, engine_chunk if engine else None)
 
     def dequantize_now(self) -> None:
         """Dequantize every stored chunk now (``keep_dequantized`` layers), so that clones share the result

@@ -6,18 +6,70 @@ keys and values differently (``kivi2``: per-channel keys, per-token values), or 
 value settings, where each
 spec is a registered name or a bare bit width that maps through ``BITS_ALIAS``
 (``k8v4`` = keys ``q8_0``, values ``q4_0``; ``kq8_0vturbo3`` also works).
+
+A name may end in modifiers, ``+`` before each, and a read mode after ``@``:
+``<method>[+centred][+keys|+values][+full|+sliding|+all_layers][@strict|@engine]``
+
+* ``+centred``: key centring (:class:`~niah.kv.methods.centred.Centred`), the per-head channel mean of the first
+  stored keys taken out before coding and stored once in fp16;
+* ``+keys`` / ``+values``: only that side is stored with the method, the other at fp16 (where the loss comes from);
+* ``+full`` / ``+sliding``: only that attention layer type is stored with the method, the other at fp16 (boundary
+  layers of the method's policy are still kept); ``+all_layers``: no layer policy, every attention layer stored;
+* ``@engine``: the cache is read as vLLM reads it (raw keys and values within a prompt's first chunk, and within a
+  later chunk of more than 128 tokens; :mod:`niah.kv.cache`); ``@strict`` (the default): every read is quantized.
+
+A method's :class:`LayerPolicy` says which attention layers it stores; the others are kept at fp16.  This repo's
+own methods store every layer; vLLM's TurboQuant presets keep the first and last two layers of a dense model and
+every sliding-window layer (:data:`~niah.kv.methods.turboquant_vllm.VLLM_LAYERS`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .base import KVQuantizer
+from .layout import FULL, SLIDING
 
 _FACTORIES: dict[str, Callable[[], KVQuantizer]] = {}
 BITS_ALIAS = {"16": "fp16", "8": "q8_0", "4": "q4_0"}
+READ_MODES = ("strict", "engine")
+MODIFIERS = ("centred", "keys", "values", "full", "sliding", "all_layers")
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """Which attention layers a method stores (the others are kept at fp16).
+
+    ``boundary``: the first and last ``min(boundary, layers // 2)`` decoder layers are kept, on models without
+    linear-attention layers only (vLLM's ``get_boundary_skip_layers`` protects dense models and skips nothing on
+    hybrid ones); ``full``, ``sliding``: whether layers of that type are stored."""
+
+    boundary: int = 0
+    full: bool = True
+    sliding: bool = True
+
+    def stores(self, layer_idx: int, kind: str, layers: int, hybrid: bool) -> bool:
+        """Whether decoder layer ``layer_idx`` of type ``kind`` (of ``layers``; ``hybrid``: the model has linear-attention layers)
+        is stored with the method."""
+        if (kind == FULL and not self.full) or (kind == SLIDING and not self.sliding):
+            return False
+        n = 0 if hybrid else min(self.boundary, layers // 2)
+        return not (layer_idx < n or layer_idx >= layers - n)
+
+    def describe(self) -> str:
+        kept = [f"first and last {self.boundary} layers (dense models)"] if self.boundary else []
+        kept += [f"{k} layers" for k, on in (("full-attention", self.full), ("sliding-window", self.sliding)) if not on]
+        return "every attention layer" if not kept else "all but " + ", ".join(kept) + " (kept at fp16)"
+
+
+_POLICIES: dict[str, LayerPolicy] = {}
+
+
+def set_policy(name: str, policy: LayerPolicy) -> None:
+    """The layer policy of method ``name`` (default: every attention layer)."""
+    _POLICIES[name] = policy
 
 
 def register(name: str):
@@ -45,6 +97,8 @@ class KVMethod:
     name: str
     key: KVQuantizer
     value: KVQuantizer
+    layers: LayerPolicy = field(default_factory=LayerPolicy)
+    read_mode: str = "strict"
 
     @property
     def residual(self) -> int:
@@ -76,8 +130,40 @@ def _one(name: str, whole: str) -> KVQuantizer:
 
 
 def get_method(name: str) -> KVMethod:
-    """``get_method("q8_0")``, ``get_method("k8v4")``; an unknown name raises ``ValueError`` listing the choices."""
+    """``get_method("q8_0")``, ``get_method("k8v4")``, ``get_method("turboquant_k3v4_nc+centred@engine")``; an unknown
+    name, modifier or read mode raises ``ValueError`` listing the choices."""
     _load_builtin()
+    spec, _, mode = name.partition("@")
+    if mode and mode not in READ_MODES:
+        raise ValueError(f"unknown read mode {mode!r} in KV method {name!r}: choose {' or '.join(READ_MODES)}")
+    core, *mods = spec.split("+")
+    bad = [m for m in mods if m not in MODIFIERS]
+    if bad or len(set(mods)) < len(mods) or {"keys", "values"} <= set(mods) or len({"full", "sliding", "all_layers"} & set(mods)) > 1:
+        raise ValueError(
+            f"bad modifiers {mods} in KV method {name!r}: each of {', '.join(MODIFIERS)} at most once, keys or values, "
+            "and one of full, sliding, all_layers"
+        )
+    m = _core_method(core)
+    m = replace(m, name=name, layers=_POLICIES.get(core, LayerPolicy()), read_mode=mode or "strict")
+    for mod in mods:
+        m = _modified(m, mod)
+    return m
+
+
+def _modified(m: KVMethod, mod: str) -> KVMethod:
+    if mod == "centred":
+        from .methods.centred import Centred
+
+        return replace(m, key=Centred(m.key))
+    if mod in ("keys", "values"):
+        fp16 = _FACTORIES["fp16"]()
+        return replace(m, value=fp16) if mod == "keys" else replace(m, key=fp16)
+    if mod == "all_layers":
+        return replace(m, layers=LayerPolicy())
+    return replace(m, layers=replace(m.layers, full=mod == "full", sliding=mod == "sliding"))
+
+
+def _core_method(name: str) -> KVMethod:
     if name in _FACTORIES:
         return KVMethod(name, _FACTORIES[name](), _FACTORIES[name]())
     if f"{name}_key" in _FACTORIES:
@@ -91,4 +177,17 @@ def get_method(name: str) -> KVMethod:
 
 def _load_builtin() -> None:
     """Import the modules whose ``@register`` calls add the built-in methods."""
-    from .methods import fp4, fp8, fp16, int8, kivi, q4_0, q8_0, sliding_window, turbo_mse, turbo_prod, turbo_split  # noqa: F401
+    from .methods import (  # noqa: F401
+        fp4,
+        fp8,
+        fp16,
+        int8,
+        kivi,
+        q4_0,
+        q8_0,
+        sliding_window,
+        turbo_mse,
+        turbo_prod,
+        turbo_split,
+        turboquant_vllm,
+    )
