@@ -12,9 +12,11 @@ from niah.experiments.protocol import ask, compare_logits, context_states, prefi
 from niah.kv import cache as cache_module
 from niah.kv.base import concat_tokens
 from niah.kv.cache import PackedCache, PackedLayer
-from niah.kv.registry import available, get_method
+from niah.kv.registry import LayerPolicy, available, get_method
 
-METHODS = [m for m in available() if m != "fp16"]
+# each codec on every layer of the 2-layer model (a layer policy such as vLLM's would keep both at fp16), and centred keys
+METHODS = [m if get_method(m).layers == LayerPolicy() else f"{m}+all_layers" for m in available() if m != "fp16"]
+METHODS += ["q4_0+centred", "turboquant_k3v4_nc+centred+all_layers"]
 
 
 @pytest.fixture(scope="module")
