@@ -78,7 +78,7 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
     paths = []
     for style in sorted(df["prompt_style"].unique()):
         part = df[df["prompt_style"] == style]
-        for method in [m for m in cfg["niah"]["methods"] if m in set(part["method"])]:
+        for method in [m for m in dict.fromkeys([*cfg["niah"]["methods"], *part["method"]]) if m in set(part["method"])]:
             panels = 1 if method == ref else 2
             fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 4.2), squeeze=False)
             needle_heatmap(part, method, axes[0][0], title=f"{method} ({style} prompt), {cfg['name']}")
@@ -88,6 +88,24 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
             paths += save(fig, figures_dir, f"heatmap_{style}_{method}")
             plt.show()
             plt.close(fig)
+    return paths
+
+
+def perplexity_breakdown(cfg: dict, run: RunDir, figures_dir: Path) -> list[Path]:
+    """The loss-breakdown figure of the ``kv_perplexity`` rows (keys, values, full and sliding layers alone), when
+    the config asks for ``kv_perplexity.breakdown``; saved as PNG and SVG."""
+    import matplotlib.pyplot as plt
+
+    from .experiments.kvppl import kv_perplexity_settings, perplexity_table
+    from .report.plots import loss_breakdown, save
+
+    parts = kv_perplexity_settings(cfg)["parts"]
+    if not parts:
+        return []
+    fig = loss_breakdown(perplexity_table(run.rows("kv_perplexity"), cfg["niah"]["reference"]), parts)
+    paths = save(fig, figures_dir, "kv_perplexity_breakdown")
+    plt.show()
+    plt.close(fig)
     return paths
 
 

@@ -48,8 +48,8 @@ TABLES = {
     "kv_perplexity": TableKind(
         "kv_perplexity.jsonl",
         ("config", "model", "method", "window"),
-        (*COMMON, "kv_perplexity", "niah.reference", "niah.prefill_chunk", "weightquant.calibration_share"),
-        ("kv_perplexity.methods",),
+        (*COMMON, "kv_perplexity", "niah.reference", "niah.prefill_chunk", "niah.engine_chunk", "weightquant.calibration_share"),
+        ("kv_perplexity.methods", "kv_perplexity.breakdown"),
         ("nll_sum", "kl_vs_ref"),
     ),
     "weightquant": TableKind(

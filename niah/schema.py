@@ -63,6 +63,7 @@ KV_PERPLEXITY = {  # held-out text read through each stored cache (niah.experime
     "windows": 4,  # held-out windows
     "context": 2048,  # tokens stored by each method
     "continuation": 256,  # tokens scored over the stored context
+    "breakdown": [],  # per method, rows with only these parts quantized: keys, values, full (layers), sliding (layers)
 }
 
 LLAMACPP = {  # llama.cpp side by side on the battery's questions (niah.experiments.llamacpp)

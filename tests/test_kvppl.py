@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from niah.config import ConfigError
-from niah.experiments.kvppl import perplexity_table, run_kv_perplexity
+from niah.experiments.kvppl import kv_perplexity_settings, perplexity_table, run_kv_perplexity
 from niah.results import read_rows
 from niah.rundir import TABLES
 
@@ -73,3 +73,35 @@ def test_bad_settings_are_named(smoke_with, tiny, tmp_path):
     with pytest.raises(ConfigError, match="exceeds the model's limit of 2048"):
         run_kv_perplexity(smoke_with("kv_perplexity", context=2000, continuation=100), tiny, tmp_path / "p.jsonl", progress=False)
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
+    """On a tiny Gemma 3 (layers 0, 1, 3 sliding, 2 full): each breakdown row stores only its part."""
+    from conftest import HYBRID_SPECS
+
+    from niah.models import load_model
+    from niah.report.plots import loss_breakdown
+
+    lm = load_model(HYBRID_SPECS["gemma3"])
+    methods = ["fp16", "q4_0", "turboquant_k3v4_nc+all_layers"]
+    cfg = smoke_with("kv_perplexity", methods=methods, windows=2, breakdown=["keys", "values", "full", "sliding"])
+    s = kv_perplexity_settings(cfg)
+    assert s["parts"]["q4_0+sliding"] == ("q4_0", "sliding") and "turboquant_k3v4_nc+all_layers+full" not in s["parts"]
+    assert s["parts"]["turboquant_k3v4_nc+all_layers+keys"] == ("turboquant_k3v4_nc+all_layers", "keys")
+    rows = {r["method"]: r for r in read_rows(run_kv_perplexity(cfg, lm, tmp_path / "p.jsonl", progress=False)) if r["window"] == 0}
+    assert len(rows) == 3 + 2 * 4 - 2
+    fp16, q4 = rows["fp16"], rows["q4_0"]
+    assert rows["q4_0+full"]["kv_bytes_sliding_attention"] == fp16["kv_bytes_sliding_attention"]
+    assert rows["q4_0+full"]["kv_bytes_full_attention"] == q4["kv_bytes_full_attention"] < fp16["kv_bytes_full_attention"]
+    assert rows["q4_0+sliding"]["kv_bytes_full_attention"] == fp16["kv_bytes_full_attention"]
+    for part in ("keys", "values", "full", "sliding"):
+        r = rows[f"q4_0+{part}"]
+        assert q4["bits_per_value"] < r["bits_per_value"] < 16 and r["kl_vs_ref"] > 0
+    table = perplexity_table(pd.DataFrame(read_rows(tmp_path / "p.jsonl")))
+    fig = loss_breakdown(table, s["parts"])
+    assert len(fig.axes[0].patches) == 2 * 5  # 2 methods x (all + 4 parts), a missing part drawn as an empty bar
+
+
+def test_breakdown_parts_are_checked(smoke_with):
+    with pytest.raises(ConfigError, match="unknown kv_perplexity.breakdown part"):
+        kv_perplexity_settings(smoke_with("kv_perplexity", breakdown=["key"]))

@@ -24,7 +24,7 @@ import torch
 from ..config import ConfigError
 from ..kv.cache import PackedCache
 from ..kv.layout import FULL, SLIDING
-from ..kv.registry import get_method
+from ..kv.registry import get_method, with_modifier
 from ..schema import section
 from .base import Experiment
 from .protocol import check_engine_reads, compare_logits, context_states, kv_entries, prefill, read_prompt
@@ -32,13 +32,29 @@ from .protocol import check_engine_reads, compare_logits, context_states, kv_ent
 BOOTSTRAP = 2000  # resamples of the windows for the interval of perplexity_table
 
 
+BREAKDOWN = ("keys", "values", "full", "sliding")  # the parts a breakdown row quantizes alone (KV method modifiers)
+
+
 def kv_perplexity_settings(cfg: dict) -> dict:
-    """The config's ``kv_perplexity`` section over its defaults (:data:`niah.schema.KV_PERPLEXITY`), the reference method first."""
+    """The config's ``kv_perplexity`` section over its defaults (:data:`niah.schema.KV_PERPLEXITY`), the reference
+    method first, then the listed methods, then their breakdown rows: ``s["parts"]`` maps each breakdown row's
+    method name to (the listed method, the part).  A listed method that already names a part of the same kind (a
+    ``+keys`` method gets no ``+values`` row) gets no row for it."""
     s = section(cfg, "kv_perplexity")
     if s["continuation"] < 2 or s["context"] < 1 or s["windows"] < 1:
         raise ConfigError(f"kv_perplexity needs context >= 1, continuation >= 2 and windows >= 1 tokens; got {s}")
+    bad = [p for p in s["breakdown"] if p not in BREAKDOWN]
+    if bad:
+        raise ConfigError(f"unknown kv_perplexity.breakdown part(s) {bad}; choose among {', '.join(BREAKDOWN)}")
     ref = cfg["niah"]["reference"]
-    s["methods"] = [ref, *[m for m in s["methods"] if m != ref]]
+    listed = [m for m in s["methods"] if m != ref]
+    s["parts"] = {}
+    for m in listed:
+        for part in s["breakdown"]:
+            variant = with_modifier(m, part)
+            if variant and variant not in listed:
+                s["parts"][variant] = (m, part)
+    s["methods"] = [ref, *listed, *s["parts"]]
     return s
 
 

@@ -150,6 +150,18 @@ def get_method(name: str) -> KVMethod:
     return m
 
 
+MODIFIER_GROUPS = (("keys", "values"), ("full", "sliding", "all_layers"))  # at most one modifier of each group
+
+
+def with_modifier(name: str, mod: str) -> str | None:
+    """``name`` with the modifier ``mod`` added before its read mode (``"turboquant_k8v4@engine"``, ``"keys"`` ->
+    ``"turboquant_k8v4+keys@engine"``); ``None`` when ``name`` already has ``mod`` or another of its group."""
+    spec, at, mode = name.partition("@")
+    mods = set(spec.split("+")[1:])
+    group = next((g for g in MODIFIER_GROUPS if mod in g), (mod,))
+    return None if mods & set(group) else f"{spec}+{mod}{at}{mode}"
+
+
 def _modified(m: KVMethod, mod: str) -> KVMethod:
     if mod == "centred":
         from .methods.centred import Centred

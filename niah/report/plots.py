@@ -113,3 +113,26 @@ def quality_vs_bits(summary: pd.DataFrame):
         ax.set_xlabel("stored bits per value (measured)")
     fig.tight_layout()
     return fig
+
+
+def loss_breakdown(table: pd.DataFrame, parts: dict[str, tuple[str, str]], value: str = "kl_vs_ref"):
+    """Per KV method, ``value`` (from :func:`niah.experiments.kvppl.perplexity_table`) of the whole method and of
+    its breakdown rows (``parts``: row method -> (method, part)), one bar each: where the loss comes from."""
+    by_name = table.set_index("method")[value]
+    names = list(dict.fromkeys(m for m, _ in parts.values()))
+    labels = ["all", *dict.fromkeys(p for _, p in parts.values())]
+    grid = pd.DataFrame(float("nan"), index=names, columns=labels)
+    for m in names:
+        grid.loc[m, "all"] = by_name.get(m, float("nan"))
+    for row, (m, part) in parts.items():
+        grid.loc[m, part] = by_name.get(row, float("nan"))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) * len(labels) / 3 + 2), 4.5))
+    grid.plot.bar(ax=ax, width=0.8, color=sns.color_palette("colorblind", len(labels)))
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_ylabel(f"{value} (reference cache)")
+    ax.set_xlabel("")
+    ax.set_title("where the loss comes from: the method on its own layers, and each part quantized alone")
+    ax.legend(title="quantized", fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    return fig
