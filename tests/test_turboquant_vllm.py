@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from niah.experiments.protocol import check_engine_reads, context_states, prefill, read_prompt
+from niah.experiments.protocol import ask, check_engine_reads, context_states, prefill, read_prompt
 from niah.kv.cache import CONTINUATION_DECODE_THRESHOLD, LayerState, PackedCache, PackedLayer
 from niah.kv.layout import FULL, LINEAR, SLIDING
 from niah.kv.methods.turboquant_vllm import PRESETS, gaussian_codebook, key_packed_size, sylvester_hadamard, value_packed_size
@@ -168,6 +168,24 @@ def test_engine_reads_raw_keys_within_the_first_chunk(context):
     strict = _logits(tiny, states, "turbo2", question)[-1]
     assert torch.allclose(engine, want, atol=1e-4)
     assert (strict - want).abs().max() > 100 * (engine - want).abs().max()
+
+
+def test_engine_answers_are_decode_steps_that_read_the_stored_cache(context):
+    """The first answer token comes from the prompt's last position (raw reads); the teacher-forced answer after
+    it is a run of decode steps and reads what strict mode reads."""
+    tiny, _, question, states = context
+    answer = list(range(60, 66))
+    ask_ = {
+        m: ask(tiny.model, tiny.tokenizer, PackedCache.from_states(states, get_method(m), engine_chunk=4096), question, answer, 8)
+        for m in ("fp16", "turbo2@engine", "turbo2")
+    }
+    fp16, engine, strict = (ask_[m].answer_logsoftmax for m in ("fp16", "turbo2@engine", "turbo2"))
+    assert torch.allclose(engine[0], fp16[0], atol=1e-4) and not torch.allclose(strict[0], fp16[0], atol=1e-2)
+    assert not torch.allclose(engine[1:], fp16[1:], atol=1e-2)
+    cached = PackedCache.from_states(states, get_method("turbo2@engine"), engine_chunk=4096)
+    read_prompt(tiny.model, cached, question)
+    steps = [tiny.model(input_ids=torch.tensor([[t]]), cache=cached, use_cache=True).logits[0, -1] for t in answer[:-1]]
+    assert torch.allclose(torch.log_softmax(torch.stack(steps), -1), engine[1:], atol=1e-4)  # one by one, as decoded
 
 
 def test_engine_short_continuations_read_the_stored_cache(context):

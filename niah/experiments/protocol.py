@@ -111,13 +111,15 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
 
 
 def read_prompt(model, cache: PackedCache, ids: list[int], logits_to_keep: int = 0):
-    """Run prompt tokens ``ids`` over ``cache`` in the passes its read mode takes (:meth:`PackedCache.pieces`); the
-    model output of the last pass (``logits_to_keep=0``: the logits of every position of every pass, joined)."""
+    """Run prompt tokens ``ids`` over ``cache`` in the passes its read mode takes (:meth:`PackedCache.pieces`), then
+    end the prompt (later passes are decode steps); the model output of the last pass (``logits_to_keep=0``: the
+    logits of every position of every pass, joined)."""
     device = next(model.parameters()).device
     outs = [
         model(input_ids=torch.tensor([p], device=device), cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
         for p in cache.pieces(ids)
     ]
+    cache.end_prompt()
     if not logits_to_keep and len(outs) > 1:
         outs[-1].logits = torch.cat([o.logits for o in outs], dim=1)
     return outs[-1]

@@ -209,6 +209,12 @@ class PackedLayer(CacheLayerMixin):
         self.raw = None  # the prompt's first chunk is over
         return "own_raw" if n > CONTINUATION_DECODE_THRESHOLD else "stored"
 
+    def end_prompt(self) -> None:
+        """The prompt is read: later passes are decode steps (or a teacher-forced run of them) and, in engine
+        mode, read the stored form, as vLLM's decode kernel does."""
+        if self.raw_until is not None:
+            self.raw_until, self.raw = min(self.raw_until, self.seen), None
+
     def _drop_outside_window(self) -> None:
         """Drop the oldest chunks while the rest still holds the last ``window - 1`` tokens."""
         while self.chunks and self.stored_tokens() - self.chunks[0][0].shape[-2] >= self.window - 1:
@@ -309,6 +315,12 @@ class PackedCache(Cache):
         other.__dict__.update(self.__dict__)
         other.layers = [layer.clone() if isinstance(layer, PackedLayer) else copy.deepcopy(layer) for layer in self.layers]
         return other
+
+    def end_prompt(self) -> None:
+        """The prompt is read (:meth:`PackedLayer.end_prompt`)."""
+        for layer in self.layers:
+            if isinstance(layer, PackedLayer):
+                layer.end_prompt()
 
     def nbytes(self) -> dict[str, int]:
         """Stored bytes: ``packed``, ``residual`` (full precision) and ``total`` over the attention layers, the
