@@ -91,18 +91,18 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
     return paths
 
 
-def perplexity_breakdown(cfg: dict, run: RunDir, figures_dir: Path) -> list[Path]:
-    """The loss-breakdown figure of the ``kv_perplexity`` rows (keys, values, full and sliding layers alone), when
-    the config asks for ``kv_perplexity.breakdown``; saved as PNG and SVG."""
+def perplexity_breakdown(cfg: dict, table: pd.DataFrame, figures_dir: Path) -> list[Path]:
+    """The loss-breakdown figure of :func:`~niah.experiments.kvppl.perplexity_table`'s ``table`` (keys, values,
+    full and sliding layers alone), when the config asks for ``kv_perplexity.breakdown``; saved as PNG and SVG."""
     import matplotlib.pyplot as plt
 
-    from .experiments.kvppl import kv_perplexity_settings, perplexity_table
+    from .experiments.kvppl import kv_perplexity_settings
     from .report.plots import loss_breakdown, save
 
     parts = kv_perplexity_settings(cfg)["parts"]
     if not parts:
         return []
-    fig = loss_breakdown(perplexity_table(run.rows("kv_perplexity"), cfg["niah"]["reference"]), parts)
+    fig = loss_breakdown(table, parts)
     paths = save(fig, figures_dir, "kv_perplexity_breakdown")
     plt.show()
     plt.close(fig)

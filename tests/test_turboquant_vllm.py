@@ -31,7 +31,10 @@ def test_hadamard_is_orthonormal_and_symmetric():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_bytes_per_token_are_vllms_formula(d):
     # vLLM's TurboQuantConfig: key_packed_size + value_packed_size, the slot rounded up to even bytes
-    expected = {128: {"turboquant_k8v4": 196, "turboquant_4bit_nc": 134, "turboquant_k3v4_nc": 118, "turboquant_3bit_nc": 102}}
+    expected = {
+        128: {"turboquant_k8v4": 196, "turboquant_4bit_nc": 134, "turboquant_k3v4_nc": 118, "turboquant_3bit_nc": 102},
+        256: {"turboquant_k8v4": 388, "turboquant_4bit_nc": 262, "turboquant_k3v4_nc": 230, "turboquant_3bit_nc": 198},
+    }
     x = torch.randn(1, 2, 5, d)
     for name, (kb, vb, _) in PRESETS.items():
         m = get_method(name)

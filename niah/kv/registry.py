@@ -36,6 +36,7 @@ _FACTORIES: dict[str, Callable[[], KVQuantizer]] = {}
 BITS_ALIAS = {"16": "fp16", "8": "q8_0", "4": "q4_0"}
 READ_MODES = ("strict", "engine")
 MODIFIERS = ("centred", "keys", "values", "full", "sliding", "all_layers")
+MODIFIER_GROUPS = (("keys", "values"), ("full", "sliding", "all_layers"))  # at most one modifier of each group
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def get_method(name: str) -> KVMethod:
         raise ValueError(f"unknown read mode {mode!r} in KV method {name!r}: choose {' or '.join(READ_MODES)}")
     core, *mods = spec.split("+")
     bad = [m for m in mods if m not in MODIFIERS]
-    if bad or len(set(mods)) < len(mods) or {"keys", "values"} <= set(mods) or len({"full", "sliding", "all_layers"} & set(mods)) > 1:
+    if bad or len(set(mods)) < len(mods) or any(len(set(g) & set(mods)) > 1 for g in MODIFIER_GROUPS):
         raise ValueError(
             f"bad modifiers {mods} in KV method {name!r}: each of {', '.join(MODIFIERS)} at most once, keys or values, "
             "and one of full, sliding, all_layers"
@@ -148,9 +149,6 @@ def get_method(name: str) -> KVMethod:
     for mod in mods:
         m = _modified(m, mod)
     return m
-
-
-MODIFIER_GROUPS = (("keys", "values"), ("full", "sliding", "all_layers"))  # at most one modifier of each group
 
 
 def with_modifier(name: str, mod: str) -> str | None:
