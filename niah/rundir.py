@@ -49,7 +49,7 @@ TABLES = {
         "kv_perplexity.jsonl",
         ("config", "model", "method", "window"),
         (*COMMON, "kv_perplexity", "niah.reference", "niah.prefill_chunk", "niah.engine_chunk", "weightquant.calibration_share"),
-        ("kv_perplexity.methods", "kv_perplexity.breakdown"),
+        ("kv_perplexity.methods", "kv_perplexity.breakdown", "kv_perplexity.breakdown_methods"),
         ("nll_sum", "kl_vs_ref"),
     ),
     "weightquant": TableKind(

@@ -64,6 +64,7 @@ KV_PERPLEXITY = {  # held-out text read through each stored cache (niah.experime
     "context": 2048,  # tokens stored by each method
     "continuation": 256,  # tokens scored over the stored context
     "breakdown": [],  # per method, rows with only these parts quantized: keys, values, full (layers), sliding (layers)
+    "breakdown_methods": None,  # the listed methods that get breakdown rows; None: every one
 }
 
 LLAMACPP = {  # llama.cpp side by side on the battery's questions (niah.experiments.llamacpp)

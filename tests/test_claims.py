@@ -404,3 +404,31 @@ def test_masks_and_autoround_capability_verdicts_follow_the_measurements():
         return Evidence("x", weightquant=df)
 
     assert verdict("S3-10", check(True)) != verdict("S3-10", check(False))
+
+
+def _with_variant(df, read_mode, layer_policy, analytical_bits):
+    return df.assign(read_mode=read_mode, layer_policy=layer_policy, analytical_bits=analytical_bits)
+
+
+def test_each_3bit_turboquant_variant_is_judged_on_its_own_and_named_with_its_reads():
+    paper = _with_variant(_niah(fp16=(1, 16, 0, -1), turbo3=(0.5, 3.1, 0, -1)), "strict", "every attention layer", 3.1)
+    policy = "all but first and last 2 layers (dense models), sliding-window layers (kept at fp16)"
+    lossless = _with_variant(_niah(**{"turboquant_3bit_nc@engine": (1, 14.0, 0, -1)}), "engine", policy, 3.25)
+    lossy = _with_variant(_niah(**{"turboquant_3bit_nc": (0.6, 14.0, 0, -1)}), "strict", policy, 3.25)
+    r = row("S1-5", Evidence("x", niah=pd.concat([paper, lossless])))
+    assert r["verdict"] == (
+        "partly (refuted for turbo3; code completion not measured; turboquant_3bit_nc@engine: no needle loss: supported)"
+    )
+    assert "turboquant_3bit_nc@engine (read engine, all but first and last 2 layers" in r["measured"]
+    assert verdict("S1-5", Evidence("x", niah=pd.concat([paper, lossy]))) == "refuted"
+    r = row("S1-5", Evidence("x", niah=pd.concat([_niah(fp16=(1, 16, 0, -1)), lossless])))
+    assert r["verdict"] == "inconclusive (code completion not measured; no needle loss: supported)"
+
+
+def test_s1_1_reports_the_vllm_preset_over_the_whole_cache_and_on_its_coded_layers():
+    policy = "all but sliding-window layers (kept at fp16)"
+    needles = pd.concat([_niah(turbo3=(1, 3.2, 0, -1)), _with_variant(_niah(turboquant_3bit_nc=(1, 12.8, 0, -1)), "strict", policy, 3.2)])
+    r = row("S1-1", Evidence("x", niah=needles))
+    assert r["verdict"] == "refuted"
+    assert "turboquant_3bit_nc (read strict, all but sliding-window layers (kept at fp16)) stores 12.80 bits/value" in r["measured"]
+    assert "(1.25x) and 3.20 on the layers it codes (5.00x)" in r["measured"]

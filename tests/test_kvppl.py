@@ -105,3 +105,12 @@ def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
 def test_breakdown_parts_are_checked(smoke_with):
     with pytest.raises(ConfigError, match="unknown kv_perplexity.breakdown part"):
         kv_perplexity_settings(smoke_with("kv_perplexity", breakdown=["key"]))
+    with pytest.raises(ConfigError, match=r"breakdown_methods \['q8_0'\] are not in kv_perplexity.methods"):
+        kv_perplexity_settings(smoke_with("kv_perplexity", methods=["fp16", "q4_0"], breakdown=["keys"], breakdown_methods=["q8_0"]))
+
+
+def test_breakdown_methods_choose_which_listed_methods_get_rows(smoke_with):
+    cfg = smoke_with("kv_perplexity", methods=["fp16", "q4_0", "q8_0"], breakdown=["keys", "values"], breakdown_methods=["q4_0"])
+    s = kv_perplexity_settings(cfg)
+    assert s["parts"] == {"q4_0+keys": ("q4_0", "keys"), "q4_0+values": ("q4_0", "values")}
+    assert s["methods"] == ["fp16", "q4_0", "q8_0", "q4_0+keys", "q4_0+values"]

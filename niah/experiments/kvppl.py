@@ -37,9 +37,9 @@ BREAKDOWN = ("keys", "values", "full", "sliding")  # the parts a breakdown row q
 
 def kv_perplexity_settings(cfg: dict) -> dict:
     """The config's ``kv_perplexity`` section over its defaults (:data:`niah.schema.KV_PERPLEXITY`), the reference
-    method first, then the listed methods, then their breakdown rows: ``s["parts"]`` maps each breakdown row's
-    method name to (the listed method, the part).  A listed method that already names a part of the same kind (a
-    ``+keys`` method gets no ``+values`` row) gets no row for it."""
+    method first, then the listed methods, then the breakdown rows of ``breakdown_methods`` (default: every listed
+    method): ``s["parts"]`` maps each breakdown row's method name to (the listed method, the part).  A listed method
+    that already names a part of the same kind (a ``+keys`` method gets no ``+values`` row) gets no row for it."""
     s = section(cfg, "kv_perplexity")
     if s["continuation"] < 2 or s["context"] < 1 or s["windows"] < 1:
         raise ConfigError(f"kv_perplexity needs context >= 1, continuation >= 2 and windows >= 1 tokens; got {s}")
@@ -48,8 +48,13 @@ def kv_perplexity_settings(cfg: dict) -> dict:
         raise ConfigError(f"unknown kv_perplexity.breakdown part(s) {bad}; choose among {', '.join(BREAKDOWN)}")
     ref = cfg["niah"]["reference"]
     listed = [m for m in s["methods"] if m != ref]
+    of = listed if s["breakdown_methods"] is None else s["breakdown_methods"]
+    if not set(of) <= set(listed):
+        raise ConfigError(
+            f"kv_perplexity.breakdown_methods {sorted(set(of) - set(listed))} are not in kv_perplexity.methods; list them there too"
+        )
     s["parts"] = {}
-    for m in listed:
+    for m in of:
         for part in s["breakdown"]:
             variant = with_modifier(m, part)
             if variant and variant not in listed:

@@ -9,7 +9,8 @@ the measured input and the verdict follows.
 A claim tested on noisy data (needle accuracy, KL, perplexity, timings) is ``supported`` or ``refuted`` only
 when the 95% interval of the measured quantity lies wholly on one side of the claim's threshold, so that a
 handful of questions cannot decide it; otherwise it is ``inconclusive``, with ``n`` and the interval.
-``partly`` is left for claims with two parts decided in opposite ways.  Byte counts and bits per value are
+``partly`` is left for claims with two parts decided in opposite ways, and for a claim about a method whose
+variants (say the paper's code and an engine's preset) are refuted for some and not for others.  Byte counts and bits per value are
 deterministic and need no interval.
 
 Architecture numbers of the Llama models come from their ``config.json`` files on the Hugging Face hub (cited
@@ -396,15 +397,30 @@ def s0_15(ev):
     return measured, f"inconclusive ({n}, reduction {r:.2f} [{lo:.2f}, {hi:.2f}])"
 
 
+def _variant(ev: Evidence, method: str) -> str:
+    """``method`` named with the read mode and layer policy its needle rows record (the bare name without them)."""
+    rows = ev.niah_method(method)
+    if not len(rows) or "read_mode" not in rows:
+        return method
+    return f"{method} (read {rows['read_mode'].iloc[0]}, {rows['layer_policy'].iloc[0]})"
+
+
 def s1_1(ev):
+    """Decided on ``turbo3``, the paper's 3-bit code on every layer; vLLM's ``turboquant_3bit_nc`` is reported beside
+    it, over the whole cache (its layer policy leaves some layers at fp16) and on the layers it codes."""
     t3 = ev.niah_method("turbo3")
     if not len(t3):
         return _missing("turbo3 rows")
     bits = float(t3["bits_per_value"].mean())
-    return (
-        f"turbo3 stores {bits:.2f} bits/value: {16 / bits:.2f}x smaller than fp16 (ceiling 16/3 = 5.33x)",
-        "refuted" if 16 / bits < 8 else "supported",
-    )
+    measured = f"turbo3 stores {bits:.2f} bits/value: {16 / bits:.2f}x smaller than fp16 (ceiling 16/3 = 5.33x)"
+    vllm = ev.niah_method("turboquant_3bit_nc")
+    if len(vllm):
+        whole, coded = float(vllm["bits_per_value"].mean()), float(vllm["analytical_bits"].iloc[0])
+        measured += (
+            f"; vLLM's {_variant(ev, 'turboquant_3bit_nc')} stores {whole:.2f} bits/value over the whole cache "
+            f"({16 / whole:.2f}x) and {coded:.2f} on the layers it codes ({16 / coded:.2f}x)"
+        )
+    return measured, "refuted" if 16 / bits < 8 else "supported"
 
 
 def s1_2(ev):
@@ -464,24 +480,41 @@ def s1_4(ev):
     return measured, "refuted"
 
 
-def s1_5(ev):
-    d = _drops(ev, "turbo3")
-    if d is None:
-        return _missing("turbo3 and fp16 rows")
-    parts = {"no needle loss": _drop_verdict(d["turbo3"], 0.1, False)}
-    measured = _drop_text("turbo3", d["turbo3"])
-    table = _ppl(ev)
-    if table is not None and "turbo3" in table.index:
-        parts["no perplexity loss"] = _ppl_verdict(table, "turbo3", False)
-        measured += f"; perplexity vs fp16: {_ppl_text(table, 'turbo3')}"
+S1_5_VARIANTS = ("turbo3", "turboquant_3bit_nc", "turboquant_3bit_nc@engine")  # the paper's code; vLLM's preset, two reads
+
+
+def _no_loss_parts(ev: Evidence, method: str, d: dict, table: pd.DataFrame | None) -> tuple[dict, str]:
+    """S1-5's parts for one 3-bit variant (``{part: (verdict, detail)}``) and its measured text."""
+    parts = {"no needle loss": _drop_verdict(d, 0.1, False)}
+    measured = _drop_text(_variant(ev, method), d)
+    if table is not None and method in table.index:
+        parts["no perplexity loss"] = _ppl_verdict(table, method, False)
+        measured += f"; perplexity vs fp16: {_ppl_text(table, method)}"
     else:
         measured += "; perplexity not measured"
-    measured += "; code completion not measured"
-    if any(v == "refuted" for v, _ in parts.values()):
+    return parts, measured
+
+
+def s1_5(ev):
+    """Each 3-bit TurboQuant variant of :data:`S1_5_VARIANTS` that ran is judged on its own: ``refuted`` when every
+    one loses needles or perplexity, ``partly`` when some do and others do not, else ``inconclusive`` (code
+    completion is never measured)."""
+    ran = [m for m in S1_5_VARIANTS if len(ev.niah_method(m))]
+    d = _drops(ev, *ran) if ran else None
+    if d is None:
+        return _missing("turbo3 and fp16 rows")
+    table = _ppl(ev)
+    judged = {m: _no_loss_parts(ev, m, d[m], table) for m in ran}
+    measured = "; ".join(text for _, text in judged.values()) + "; code completion not measured"
+    refuted = [m for m, (parts, _) in judged.items() if any(v == "refuted" for v, _ in parts.values())]
+    kept = {m: parts for m, (parts, _) in judged.items() if m not in refuted}
+    name = (lambda m: f"{m}: ") if len(ran) > 1 else (lambda m: "")
+    each = "; ".join(name(m) + "; ".join(f"{p}: {_single(v, x)}" for p, (v, x) in parts.items()) for m, parts in kept.items())
+    if not kept:
         return measured, "refuted"
-    return measured, "inconclusive (code completion not measured; " + "; ".join(
-        f"{p}: {_single(v, x)}" for p, (v, x) in parts.items()
-    ) + ")"
+    if refuted:
+        return measured, f"partly (refuted for {', '.join(refuted)}; code completion not measured; {each})"
+    return measured, f"inconclusive (code completion not measured; {each})"
 
 
 def s1_6(ev):
