@@ -325,11 +325,11 @@ def test_verdict_words_are_the_documented_ones():
 
 def test_arithmetic_verdicts_follow_the_architecture_numbers(monkeypatch):
     before = {c: verdict(c, Evidence("x")) for c in ("S1-2", "S3-7", "S0-6")}
-    monkeypatch.setattr(claims, "LLAMA2_70B", {**claims.LLAMA2_70B, "kv_heads": 64})
-    monkeypatch.setattr(claims, "LLAMA3_8B", {**claims.LLAMA3_8B, "kv_heads": 32, "heads": 80})
+    monkeypatch.setattr(claims.seed001, "LLAMA2_70B", {**claims.seed001.LLAMA2_70B, "kv_heads": 64})
+    monkeypatch.setattr(claims.seed003, "LLAMA3_8B", {**claims.seed003.LLAMA3_8B, "kv_heads": 32, "heads": 80})
     wide = qwen3_5_35b_a3b_config()
     wide.num_key_value_heads = 100
-    monkeypatch.setattr(claims, "qwen3_5_35b_a3b_config", lambda: wide)
+    monkeypatch.setattr(claims.seed000, "qwen3_5_35b_a3b_config", lambda: wide)
     after = {c: verdict(c, Evidence("x")) for c in before}
     assert all(before[c] != after[c] for c in before), (before, after)
 
@@ -339,7 +339,7 @@ def test_qwen3_5_kv_bytes_count_only_its_attention_layers():
     kv = 10 * 2 * 2 * 256 * 16384 * 2  # 10 full-attention layers x K and V x 2 KV heads x 256 x 16K tokens x 2 bytes
     assert f"{kv / 1e9:.2f} GB" in measured and "only its 10 full-attention layers (2 KV heads x 256)" in measured
     assert "its 30 Gated DeltaNet layers keep a fixed 33.4 MB state (bf16), which is not KV" in measured
-    assert not hasattr(claims, "QWEN3_30B_A3B")
+    assert not hasattr(claims, "QWEN3_30B_A3B") and not hasattr(claims.seed000, "QWEN3_30B_A3B")
 
 
 def test_a_broken_evaluator_is_reported_not_raised():
@@ -432,3 +432,14 @@ def test_s1_1_reports_the_vllm_preset_over_the_whole_cache_and_on_its_coded_laye
     assert r["verdict"] == "refuted"
     assert "turboquant_3bit_nc (read strict, all but sliding-window layers (kept at fp16)) stores 12.80 bits/value" in r["measured"]
     assert "(1.25x) and 3.20 on the layers it codes (5.00x)" in r["measured"]
+
+
+def test_turbo3_read_only_through_the_cache_still_decides_s1_1_and_s1_5():
+    ppl = _kv_ppl(turbo3=1.5)
+    ppl.loc[ppl["method"] == "turbo3", "bits_per_value"] = 3.0625
+    r = row("S1-1", Evidence("x", kv_ppl=ppl))
+    assert r["verdict"] == "refuted" and r["measured"].startswith("turbo3 stores 3.06 bits/value: 5.22x")
+    lossless = _niah(fp16=(1, 16, 0, -1), turboquant_3bit_nc=(1, 12.0, 0, -1))
+    r = row("S1-5", Evidence("x", niah=lossless, kv_ppl=ppl))
+    assert r["measured"].startswith("turbo3 needles not asked; perplexity vs fp16: turbo3 +50.00%")
+    assert r["verdict"] == "partly (refuted for turbo3; code completion not measured; turboquant_3bit_nc: no needle loss: supported)"

@@ -24,6 +24,7 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
     assert list((tmp_path / "figs" / "smoke").glob("heatmap_*.png"))
     summary = (runs / "summary.md").read_text()
     assert "Needle accuracy" in summary and "McNemar" in summary and "Claims ledger**: " in summary and "supported" in summary
+    assert "**Perplexity through the stored cache**" in summary and "| int8_token " in summary
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{BEGIN}\nold numbers\n{END}\nlayout\n")
     write_results(load_config("smoke"), readme, tmp_path / "results", runs)

@@ -74,6 +74,22 @@ def _paired(ok: pd.DataFrame, ref: str) -> pd.DataFrame:
     )
 
 
+def _perplexity(rows: pd.DataFrame, ref: str) -> pd.DataFrame:
+    from ..experiments.kvppl import perplexity_table
+
+    t = perplexity_table(rows, ref)
+    return pd.DataFrame(
+        {
+            "method": t["method"],
+            "windows": t["windows"],
+            "bits/value": t["bits_per_value"].round(2),
+            f"ppl vs {ref} [95%]": [f"{r:.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in zip(t["ppl_vs_ref"], t["ci_low"], t["ci_high"])],
+            "KL": t["kl_vs_ref"].map(lambda k: f"{k:.3g}"),
+            "top-1": t["top1_vs_ref"].round(3),
+        }
+    )
+
+
 def _ledger_counts(run: RunDir) -> str:
     csv = run.ledger.with_suffix(".csv")
     if not csv.exists():
@@ -98,6 +114,13 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
         "log-prob difference with a paired bootstrap interval, and the smallest drop this n can detect:\n",
         _paired(ok, ref).to_markdown(index=False),
     ]
+    ppl = run.rows("kv_perplexity")
+    if len(ppl) and ref in set(ppl.loc[ppl["status"] == "ok", "method"]):
+        parts += [
+            f"\n**Perplexity through the stored cache** (held-out text scored over each method's stored context; ratio to {ref} "
+            "with a 95% bootstrap interval over windows, KL against it):\n",
+            _perplexity(ppl, ref).to_markdown(index=False),
+        ]
     sweep = run.rows("sweep")
     if len(sweep) and (sweep["status"] == "ok").any():
         parts += [

@@ -1,0 +1,122 @@
+"""The claims ledger: one row per claim ID of the seed articles, with a verdict computed from this run's data.
+
+Each claim has our paraphrase, its seed and section, how it is tested, the threshold that decides the
+verdict (written next to it), and an ``evaluate(ev)`` that reads the measured tables in :class:`Evidence`
+(or does the arithmetic) and returns ``(measured, verdict)``.  Verdicts are ``supported``, ``refuted``,
+``partly``, ``inconclusive (<n and interval>)`` or ``untestable here (<reason>)``; nothing is typed in: change
+the measured input and the verdict follows.
+
+A claim tested on noisy data (needle accuracy, KL, perplexity, timings) is ``supported`` or ``refuted`` only
+when the 95% interval of the measured quantity lies wholly on one side of the claim's threshold, so that a
+handful of questions cannot decide it; otherwise it is ``inconclusive``, with ``n`` and the interval.
+``partly`` is left for claims with two parts decided in opposite ways, and for a claim about a method whose
+variants (say the paper's code and an engine's preset) are refuted for some and not for others.  Byte counts and bits per value are
+deterministic and need no interval.
+
+Architecture numbers of the Llama models come from their ``config.json`` files on the Hugging Face hub (cited
+next to each constant); the seeds' Qwen3.5-35B-A3B comes from :func:`niah.kv.layout.qwen3_5_35b_a3b_config`,
+with its layer types: only its full-attention layers hold a KV cache.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from ...config import ROOT
+from . import seed000, seed001, seed003
+from .common import Claim, Evidence, _drops, dense_layout
+from .seed000 import _llamacpp_note
+
+__all__ = [
+    "CLAIMS",
+    "CLAIMS_FILE",
+    "Claim",
+    "Evidence",
+    "_drops",
+    "_id_key",
+    "_llamacpp_note",
+    "dense_layout",
+    "gather_evidence",
+    "ledger",
+    "load_claims",
+]
+
+
+CLAIMS_FILE = ROOT / "claims" / "claims.yaml"
+
+
+def load_claims(path: Path = CLAIMS_FILE) -> list[Claim]:
+    """The claims of ``claims/claims.yaml``, each bound to its evaluator (``s0_7`` for ``S0-7``)."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    evaluators = {name: f for m in (seed000, seed001, seed003) for name, f in vars(m).items() if re.fullmatch(r"s\d_\d+", name)}
+    claims = []
+    for c in doc["claims"]:
+        name = c["id"].lower().replace("-", "_")
+        if name not in evaluators:
+            raise ValueError(f"{path}: claim {c['id']} has no evaluator {name}() in niah/report/claims/")
+        article = doc["articles"][c["id"].split("-")[0]]["file"]
+        claims.append(Claim(c["id"], article, str(c["section"]), c["claim"], c["test"], c["threshold"], evaluators.pop(name)))
+    if evaluators:
+        raise ValueError(f"{path} lacks the claims of evaluators {sorted(evaluators)}")
+    return claims
+
+
+CLAIMS = load_claims()
+
+
+def ledger(ev: Evidence, extra: list[Claim] = ()) -> pd.DataFrame:
+    """One row per claim: id, seed, section, claim, test, threshold, measured, verdict, config, commit."""
+    rows = []
+    for c in [*CLAIMS, *extra]:
+        try:
+            measured, verdict = c.evaluate(ev)
+        except Exception as err:  # a broken evaluator must not hide the others
+            measured, verdict = f"evaluation failed: {type(err).__name__}: {err}", "untestable here (evaluation error)"
+        rows.append(
+            {
+                "id": c.id,
+                "seed": c.seed,
+                "section": c.section,
+                "claim": c.claim,
+                "test": c.test,
+                "threshold": c.threshold,
+                "measured": measured,
+                "verdict": verdict,
+                "config": ev.config,
+                "commit": ev.commit,
+            }
+        )
+    df = pd.DataFrame(rows)
+    return df.sort_values("id", key=lambda s: s.map(_id_key)).reset_index(drop=True)
+
+
+def _id_key(cid: str) -> tuple:
+    seed, num = re.fullmatch(r"S(\d)-(\d+)", cid).groups()
+    return int(seed), int(num)
+
+
+def gather_evidence(run, kv_value_share: float | None = None) -> Evidence:
+    """Read whatever this run measured from the :class:`~niah.rundir.RunDir` ``run`` (missing tables stay empty;
+    rows of other settings are left out)."""
+    import json
+
+    from ...env import git_commit
+
+    cfg = run.cfg
+    return Evidence(
+        config=cfg["name"],
+        device=cfg["device"],
+        commit=git_commit(),
+        niah=run.rows("needles"),
+        sweep=run.rows("sweep"),
+        weightquant=run.rows("weightquant"),
+        kv_ppl=run.rows("kv_perplexity"),
+        cold_warm=json.loads(run.cold_warm.read_text()) if run.cold_warm.exists() else None,
+        kv_value_share=kv_value_share,
+        llamacpp=run.rows("llamacpp"),
+    )
