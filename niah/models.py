@@ -19,12 +19,14 @@ Optional keys: ``rope_scaling`` (e.g. ``{"rope_type": "yarn", "factor": 2.0}``),
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib
 import importlib.metadata
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -122,24 +124,57 @@ def verified_gguf(spec: dict) -> Path:
 
 
 def _converted_folder(spec: dict) -> Path:
-    """Convert a shipped GGUF to a safetensors folder once; return the folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Convert a shipped GGUF to a safetensors folder once (:func:`_build_once`); return the folder."""
     if not spec.get("sha256"):
         raise ModelUnavailable(
             f"model spec for package {spec['package']!r} has no sha256: every shipped weight file must be verified; add it to the config"
         )
     folder = cache_dir() / "models" / f"{spec['package']}-{spec['sha256'][:12]}"
-    weights, recorded = folder / "model.safetensors", folder / "model.safetensors.sha256"
-    if weights.exists() and recorded.exists():
-        if not _verified(weights, recorded.read_text().strip(), folder / ".sha256-ok"):
-            raise ModelUnavailable(
-                f"the converted checkpoint {weights} is damaged (its sha256 differs from the one written "
-                f"when it was converted): delete the folder {folder} and run again; it is rebuilt from the package"
-            )
-        return folder
-    if folder.exists():  # converted by an older version, without a recorded hash: convert again
-        shutil.rmtree(folder)
+    _build_once(folder, lambda tmp: _convert_gguf(spec, tmp), f"converting {spec['package']}")
+    weights = folder / "model.safetensors"
+    if not _verified(weights, (folder / "model.safetensors.sha256").read_text().strip(), folder / ".sha256-ok"):
+        raise ModelUnavailable(
+            f"the converted checkpoint {weights} is damaged (its sha256 differs from the one written "
+            f"when it was converted): delete the folder {folder} and run again; it is rebuilt from the package"
+        )
+    return folder
+
+
+def _complete(folder: Path) -> bool:
+    """Whether ``folder`` is a finished conversion: its weights and their recorded sha256 (written last) are there."""
+    return (folder / "model.safetensors").exists() and (folder / "model.safetensors.sha256").exists()
+
+
+def _build_once(folder: Path, write: Callable[[Path], None], what: str) -> None:
+    """Make ``folder`` with ``write(tmp)`` (which saves ``model.safetensors`` and the rest into the new folder
+    ``tmp``) unless it is :func:`_complete`, recording the weights' sha256 and moving ``tmp`` into place in one
+    rename.  Processes that build the same folder at once take turns on ``<folder>.lock``: the second waits (and
+    says so), then finds the folder finished.  Each stages in its own ``<folder>.partial-<pid>``; under the lock
+    any other staging folder is a dead process's leftover, and is removed."""
+    from .results import locked
+
+    if _complete(folder):
+        return
+    with locked(folder, f"waiting for another process {what} into {folder}"):
+        if _complete(folder):
+            return
+        for old in [*folder.parent.glob(glob.escape(folder.name) + ".partial*"), folder]:  # folder: an older version's, without its hash
+            shutil.rmtree(old, ignore_errors=True)
+        tmp = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+        try:
+            write(tmp)
+            sha = sha256_of(tmp / "model.safetensors")
+            (tmp / "model.safetensors.sha256").write_text(sha)
+            (tmp / ".sha256-ok").write_text(_file_stamp(tmp / "model.safetensors", sha))
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failed build leaves nothing behind
+
+
+def _convert_gguf(spec: dict, out: Path) -> None:
+    """Dequantize the spec's verified GGUF to fp32 with transformers and save the model and tokenizer to ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf = verified_gguf(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, use_kernels=False)
@@ -148,15 +183,8 @@ def _converted_folder(spec: dict) -> Path:
         raise ModelUnavailable(f"reading GGUF files needs the `gguf` and `accelerate` packages: {err}") from None
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    sha = sha256_of(tmp / "model.safetensors")
-    (tmp / "model.safetensors.sha256").write_text(sha)
-    (tmp / ".sha256-ok").write_text(_file_stamp(tmp / "model.safetensors", sha))
-    tmp.rename(folder)
-    return folder
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def _apply_rope_scaling(config, rope_scaling: dict | None) -> int:

@@ -13,8 +13,11 @@ import fcntl
 import json
 import math
 import os
+import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -106,13 +109,23 @@ def _key(row: dict, key_fields: tuple[str, ...]) -> tuple:
 _HELD: dict[Path, int] = {}  # lock files this process holds, until it exits
 
 
+def _lock_path(target: Path) -> Path:
+    """The lock file of ``target``: ``<target>.lock`` beside it."""
+    return target.with_name(target.name + ".lock").resolve()
+
+
+def _open_lock(lock: Path) -> int:
+    """A descriptor of the lock file ``lock`` (created if need be), not locked yet."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+
+
 def hold_lock(target: Path, what: str) -> None:
     """Lock ``<target>.lock`` for the rest of this process, or raise :class:`TableLocked` naming the holder."""
-    lock = target.with_name(target.name + ".lock").resolve()
+    lock = _lock_path(target)
     if lock in _HELD:
         return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(lock)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -122,6 +135,22 @@ def hold_lock(target: Path, what: str) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     _HELD[lock] = fd
+
+
+@contextmanager
+def locked(target: Path, waiting: str) -> Iterator[None]:
+    """Hold ``<target>.lock`` for the ``with`` block; while another process holds it, print ``waiting`` (one line,
+    on stderr) and wait for it.  The lock goes with its process, so a killed holder never blocks the next one."""
+    fd = _open_lock(_lock_path(target))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"niah: {waiting}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 class ResultsTable:

@@ -106,16 +106,50 @@ def open_table(cfg: dict, kind: str, path: str | Path) -> ResultsTable:
     return ResultsTable(path, spec.key, settings_hash(cfg, kind), spec.nan_free)
 
 
+def selection(cfg: dict, kind: str) -> dict[str, dict[str, set]]:
+    """The values of the row fields that ``cfg`` selects for table ``kind``, per source of rows: ``{"battery":
+    {"method": {...}, "length": {...}}, "grid": {...}}`` for needle rows (a battery row names its ``context``), one
+    ``"all"`` entry for the others; empty: every row counts.  These are the methods and lengths that only choose
+    which rows exist and are left out of the settings hash: rows of a method or length dropped from the config
+    stay in the file but out of tables."""
+    from .schema import section
+
+    n, ref = cfg["niah"], cfg["niah"]["reference"]
+    if kind == "needles":
+        grid = {"method": {ref, *n["methods"]}, "length": set(n["lengths"])}
+        if not cfg.get("battery"):
+            return {"grid": grid}
+        b = section(cfg, "battery")
+        return {"grid": grid, "battery": {"method": {ref, *(b["methods"] or n["methods"])}, "length": set(b["lengths"])}}
+    if kind == "sweep":
+        s = section(cfg, "sweep")
+        return {"all": {"method": {ref, *s["methods"]}, "length": set(s["lengths"])}}
+    if kind == "kv_perplexity":
+        from .experiments.kvppl import kv_perplexity_settings
+
+        return {"all": {"method": set(kv_perplexity_settings(cfg)["methods"])}}
+    return {}
+
+
+def _selected(row: dict, chosen: dict[str, dict[str, set]]) -> bool:
+    source = "all" if "all" in chosen else ("battery" if "context" in row else "grid")
+    return all(row.get(field) in values for field, values in chosen.get(source, {}).items())
+
+
 def load_table(cfg: dict, kind: str, path: str | Path):
-    """The rows of table ``kind`` at ``path`` that belong to ``cfg``'s current settings, as a DataFrame
-    (each row key once; a warning says what was left out)."""
+    """The rows of table ``kind`` at ``path`` that belong to ``cfg``'s current settings and :func:`selection`, as a
+    DataFrame (each row key once; a warning says what was left out)."""
     import pandas as pd
 
     spec = _kind(kind)
     rows, notes = current_rows(read_rows(path), spec.key, settings_hash(cfg, kind))
+    chosen = selection(cfg, kind) if rows else {}
+    kept = [r for r in rows if _selected(r, chosen)]
+    if len(kept) < len(rows):
+        notes.append(f"{len(rows) - len(kept)} rows of methods or lengths this config no longer selects left out (they stay in the file)")
     for note in notes:
         warnings.warn(f"{path}: {note}", stacklevel=2)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(kept)
 
 
 class RunDir:

@@ -119,13 +119,16 @@ def section(cfg: dict, name: str) -> dict:
 
 
 _KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "a mapping"))
+INT_MAX = 2**63 - 1  # torch's largest integer (int64)
+LOWEST = {"seed": 0}  # every other integer setting is a count or a size: at least 1
 
 
 def check_types(where: str, defaults: dict, given: dict) -> None:
     """Every setting of ``given`` (and of its mappings, one level down) is of its default's kind: a number where
-    the default is a float, never a bool where it is an int, anything where it is None.  ``where`` prefixes the
-    names in the message (``""`` for top-level settings).  Raises :class:`ConfigError` naming the setting, the
-    kind it takes and what it got."""
+    the default is a float, never a bool where it is an int, anything where it is None.  An integer setting is a
+    count or a size (``seed`` excepted: 0 or more) from 1 to :data:`INT_MAX`, and a list whose default holds
+    integers (lengths, bits) is a non-empty list of such.  ``where`` prefixes the names in the message (``""``
+    for top-level settings).  Raises :class:`ConfigError` naming the setting, the kind it takes and what it got."""
     for key, value in given.items():
         default, name = defaults[key], f"{where}.{key}" if where else key
         if default is None:
@@ -137,5 +140,10 @@ def check_types(where: str, defaults: dict, given: dict) -> None:
             ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if not ok:
             raise ConfigError(f"{name} must be {words} (its default is {default!r}); got {value!r}")
+        if kind is int and not LOWEST.get(name, 1) <= value <= INT_MAX:
+            raise ConfigError(f"{name} must be an integer from {LOWEST.get(name, 1)} to 2**63 - 1 (torch's largest); got {value!r}")
+        if kind is list and default and all(type(x) is int for x in default):
+            if not value or not all(type(x) is int and 1 <= x <= INT_MAX for x in value):
+                raise ConfigError(f"{name} must be a non-empty list of positive integers up to 2**63 - 1 (torch's largest); got {value!r}")
         if kind is dict:
             check_types(name, default, {k: v for k, v in value.items() if k in default})

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from niah.__main__ import main
-from niah.config import ROOT, ConfigError, validate
+from niah.config import ROOT, ConfigError, load_config, validate
 from niah.experiments.grid import run_grid
 from niah.models import ModelUnavailable, _converted_folder, _hub_reachable, _verified, load_model, sha256_of
 from niah.results import ResultsCorrupt, ResultsTable, TableLocked, move_tail_aside, read_rows
@@ -156,6 +156,59 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
     ResultsTable(path, ("a",))  # the lock goes with its process
 
 
+_CONVERT = """
+import sys, time
+from pathlib import Path
+import niah.models as m
+
+calls, go = Path(sys.argv[1]), Path(sys.argv[2])
+
+def slow_conversion(spec, tmp):  # stands in for transformers' 35 s dequantization; waits until the test says go
+    with open(calls, "a") as f:
+        f.write("converting\\n")
+    while not go.exists():
+        time.sleep(0.05)
+    tmp.mkdir(parents=True)
+    (tmp / "model.safetensors").write_bytes(b"w" * 4096)
+
+m._convert_gguf = slow_conversion
+print(m._converted_folder({"source": "package", "package": "some-model", "file": "x.gguf", "sha256": "ab" * 32}))
+"""
+
+
+def test_two_processes_converting_one_model_both_get_it_and_leave_no_partial(tmp_path):
+    models, calls, go = tmp_path / "cache" / "models", tmp_path / "calls", tmp_path / "go"
+    folder = models / f"some-model-{'ab' * 6}"
+    for stale in (f"{folder.name}.partial", f"{folder.name}.partial-999999"):  # a crashed converter's, old and new names
+        (models / stale).mkdir(parents=True)
+        (models / stale / "model.safetensors").write_bytes(b"half")
+    env = {**os.environ, "NIAH_CACHE": str(tmp_path / "cache")}
+
+    def start(name):
+        with open(tmp_path / f"{name}.err", "w") as err:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(
+                [sys.executable, "-c", _CONVERT, str(calls), str(go)], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env
+            )
+
+    def wait_for(path, text):
+        for _ in range(600):
+            if path.exists() and text in path.read_text():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{path} never said {text!r}")
+
+    first = start("first")
+    wait_for(calls, "converting")  # the first holds the lock, mid-conversion
+    second = start("second")
+    wait_for(tmp_path / "second.err", "waiting for another process converting some-model")
+    go.touch()
+    outs = [p.communicate(timeout=120)[0].strip() for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], [(tmp_path / f"{n}.err").read_text() for n in ("first", "second")]
+    assert outs == [str(folder)] * 2 and calls.read_text() == "converting\n"  # converted once, used twice
+    assert sha256_of(folder / "model.safetensors") == (folder / "model.safetensors.sha256").read_text()
+    assert not list(models.glob("*.partial*"))
+
+
 def test_duplicate_keys_count_once_with_a_warning(smoke_cfg, tmp_path):
     cfg = _small(smoke_cfg)
     row = {
@@ -238,6 +291,55 @@ def test_a_non_utf8_haystack_file_fails_at_load(tmp_path, smoke_cfg):
         validate(_raw(smoke_cfg, haystack="folder", haystack_folder=str(tmp_path)))
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"battery": {"lengths": []}}, "battery.lengths must be a non-empty list of positive integers"),
+        ({"battery": {"lengths": [512, -5]}}, "battery.lengths must be a non-empty list of positive integers"),
+        ({"battery": {"needles": 0}}, "battery.needles must be an integer from 1 to"),
+        ({"battery": {"contexts": 0}}, "battery.contexts must be an integer from 1 to"),
+        ({"niah": {"trials": 0}}, "niah.trials must be an integer from 1 to"),
+        ({"niah": {"max_new_tokens": 0}}, "niah.max_new_tokens must be an integer from 1 to"),
+        ({"niah": {"needle": {"kind": "number", "variant": "multi_key", "count": 0}}}, "niah.needle.count must be an integer from 1"),
+        ({"niah": {"lengths": [2**70]}}, r"niah.lengths must be a non-empty list of positive integers up to 2\*\*63 - 1"),
+        ({"seed": 2**64}, r"seed must be an integer from 0 to 2\*\*63 - 1 \(torch's largest\)"),
+        ({"kv_perplexity": {"windows": 0}}, "kv_perplexity.windows must be an integer from 1 to"),
+        ({"sweep": {"hz": 0}}, "sweep.hz must be an integer from 1 to"),
+        ({"weightquant": {"evaluation": {"windows": 0}}}, "weightquant.evaluation.windows must be an integer from 1 to"),
+        ({"llamacpp": {"lengths": [999]}}, r"llamacpp.lengths \[999\] must be lengths of the battery"),
+    ],
+)
+def test_a_count_size_or_length_out_of_range_fails_at_load(smoke_cfg, change, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_raw(smoke_cfg, **change))
+
+
+def _alias_bomb(path):
+    """Nine levels of nine aliases each under ``description:``: 387M strings (9**9) at the last level once expanded, 1 KB on disk."""
+    levels = ['a0: &a0 ["lol"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    path.write_text("name: bomb\nmodel: {source: random}\ndescription:\n" + "".join(f"  {line}\n" for line in levels))
+    return path
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    t0 = time.perf_counter()
+    with pytest.raises(
+        ConfigError,
+        match=r"bomb.yaml: its YAML anchors and aliases .* expand to [\d,]{11} values, more than the 100,000.*write the settings out",
+    ):
+        load_config(str(_alias_bomb(tmp_path / "bomb.yaml")))
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_ordinary_yaml_anchors_still_load_and_python_tags_stay_refused(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("name: anchors\nmodel: {source: random}\nniah: {methods: &m [fp16, q8_0]}\nbattery: {methods: *m}\n")
+    assert load_config(str(path))["battery"]["methods"] == ["fp16", "q8_0"]
+    path.write_text('name: x\nmodel: {source: random}\ndescription: !!python/object/apply:os.system ["true"]\n')
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(str(path))
+
+
 # 7. one-line errors
 
 
@@ -249,6 +351,19 @@ def test_bad_configs_fail_in_one_line_and_write_nothing(tmp_path, smoke_cfg, run
     err = capsys.readouterr().err
     assert err.count("niah: error:") == 6 and "Traceback" not in err
     assert not runs_in.exists()
+
+
+def test_out_of_range_settings_fail_in_one_line_before_any_run_folder(tmp_path, smoke_cfg, runs_in, capsys):
+    path = _write_config(tmp_path, smoke_cfg, battery={"needles": 0})
+    assert main(["run", "--config", str(path)]) == 2
+    ok = _write_config(tmp_path, smoke_cfg)
+    assert main(["run", "--config", str(ok), "--lengths", "512", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert "battery.needles must be an integer from 1" in err and "battery.lengths must be a non-empty list" in err
+    assert "Traceback" not in err and not runs_in.exists()
+    with pytest.raises(SystemExit):  # argparse: "--lengths: expected at least one argument"
+        main(["run", "--config", str(ok), "--lengths"])
+    assert "expected at least one argument" in capsys.readouterr().err and not runs_in.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -285,6 +400,12 @@ def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_pa
     assert "no ok rows" in capsys.readouterr().err
 
 
+def test_an_over_large_max_new_tokens_is_named_not_rope_scaling(smoke_cfg, tiny, tmp_path):
+    cfg = validate(_raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"], "max_new_tokens": 5000}))
+    (row,) = read_rows(run_grid(cfg, tiny, tmp_path / "r.jsonl", progress=False))
+    assert row["status"] == "too_long" and "lower niah.max_new_tokens to" in row["reason"] and "rope_scaling" not in row["reason"]
+
+
 def test_an_unreachable_hub_fails_in_seconds(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")
@@ -293,3 +414,13 @@ def test_an_unreachable_hub_fails_in_seconds(monkeypatch):
     with pytest.raises(ModelUnavailable, match="not available offline"):
         load_model({"source": "hub", "id": "no-org/no-such-model"})
     assert time.perf_counter() - t0 < 15
+
+
+def test_rows_of_a_method_dropped_from_the_config_stay_in_the_file_but_out_of_tables(smoke_cfg, tiny, tmp_path):
+    path = tmp_path / "r.jsonl"
+    more = validate(_raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16", "q8_0", "q4_0"]}))
+    run_grid(more, tiny, path, progress=False)
+    fewer = validate(_raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16", "q8_0"]}))
+    with pytest.warns(UserWarning, match="1 rows of methods or lengths this config no longer selects left out"):
+        assert list(load_table(fewer, "needles", path)["method"]) == ["fp16", "q8_0"]
+    assert len(read_rows(path)) == 3

@@ -30,6 +30,15 @@ def test_rows_carry_provenance_and_a_reopened_table_knows_what_is_done(tmp_path,
 def test_too_long_names_the_limit_and_the_fix_only_when_the_model_can_be_extended(smoke_cfg):
     native = SimpleNamespace(max_context=1024, native_context=1024)
     extended = SimpleNamespace(max_context=2048, native_context=1024)
-    assert too_long_reason(smoke_cfg, native, 1024) is None
-    assert "limit of 1024 tokens" in too_long_reason(smoke_cfg, native, 1025) and "rope_scaling" in too_long_reason(smoke_cfg, native, 1025)
+    assert smoke_cfg["niah"]["max_new_tokens"] == 8
+    assert too_long_reason(smoke_cfg, native, 1016, 3) is None  # 1016 + room for 8 answer tokens
+    reason = too_long_reason(smoke_cfg, native, 1020, 5)  # the expected answer itself does not fit
+    assert "limit of 1024 tokens" in reason and "rope_scaling" in reason
     assert "rope_scaling" not in too_long_reason(smoke_cfg, extended, 4096)
+
+
+def test_too_long_names_max_new_tokens_when_only_the_answer_room_does_not_fit(smoke_cfg):
+    native = SimpleNamespace(max_context=1024, native_context=1024)
+    reason = too_long_reason(smoke_cfg, native, 1020, 3)
+    assert "niah.max_new_tokens = 8" in reason and "lower niah.max_new_tokens to 4 or less" in reason
+    assert "rope_scaling" not in reason

@@ -73,7 +73,7 @@ def test_the_summary_shows_the_side_by_side_tables_when_llamacpp_ran(tmp_path, s
     from niah.report.summary import summary_markdown
     from niah.rundir import open_table
 
-    ours = _rows(["fp16"], [1, 1, 1, 1], -1.2) + _rows(["q8_0"], [1, 1, 1, 1], -1.25, kl=0.001)
+    ours = _rows(["fp16"], [1, 1, 1, 1], -1.2, context=0) + _rows(["q8_0"], [1, 1, 1, 1], -1.25, kl=0.001, context=0)  # battery rows
     lcpp = _lcpp_frame().to_dict("records")
     for kind, file, rows in (("needles", "niah_results.jsonl", ours), ("llamacpp", "llamacpp_results.jsonl", lcpp)):
         table = open_table(smoke_cfg, kind, tmp_path / file)

@@ -33,11 +33,20 @@ def provenance(cfg: dict, model_name: str) -> dict:
     }
 
 
-def too_long_reason(cfg: dict, loaded, tokens: int) -> str | None:
-    """Why ``tokens`` (context, question and answer) do not fit the loaded model, naming the fix; None if they do."""
-    limit = loaded.max_context
+def too_long_reason(cfg: dict, loaded, prompt: int, answer: int = 0) -> str | None:
+    """Why ``prompt`` tokens (context and question) and the room for an answer (``answer`` tokens, the expected
+    answer's, or ``niah.max_new_tokens`` where that is more) do not fit the loaded model, naming the fix: lower
+    ``niah.max_new_tokens`` where the expected answer would fit, else ``model.rope_scaling`` where the model is
+    not extended yet.  None if they fit."""
+    limit, max_new = loaded.max_context, cfg["niah"]["max_new_tokens"]
+    tokens = prompt + max(answer, max_new)
     if tokens <= limit:
         return None
+    if prompt + answer <= limit:
+        return (
+            f"a prompt of {prompt} tokens with room for niah.max_new_tokens = {max_new} answer tokens exceeds the model's "
+            f"limit of {limit} tokens; lower niah.max_new_tokens to {limit - prompt} or less."
+        )
     extend = " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
     hint = "" if limit > loaded.native_context else extend
     return f"context of {tokens} tokens (with question and answer) exceeds the model's limit of {limit} tokens.{hint}"

@@ -304,7 +304,8 @@ def _run_multi_key(exp: Experiment, lm, contexts: list[tuple[list[int], list[Que
 
 def _too_long(exp: Experiment, lm, qs: list[Question], how: Asking) -> bool:
     """Write too_long rows for ``qs`` (and say True) when their context, question and answer exceed the model's limit."""
-    reason = too_long_reason(exp.cfg, lm, qs[0].length + max(len(q.question_ids) + max(len(q.answer_ids), how.max_new) for q in qs))
+    q = max(qs, key=lambda q: len(q.question_ids) + max(len(q.answer_ids), how.max_new))  # the longest of the prompts
+    reason = too_long_reason(exp.cfg, lm, q.length + len(q.question_ids), len(q.answer_ids))
     if reason:
         exp.fail([how.row(q, m) for q in qs for m in how.missing(q)], "too_long", reason)
     return bool(reason)

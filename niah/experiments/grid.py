@@ -84,7 +84,7 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
         for cell in sorted((c for c in todo if c.style == style), key=lambda c: (prompts[c].shared_prefix, c.length, c.depth, c.trial)):
             p = prompts[cell]
             unmeasured = [exp.row(**cell_keys(cfg, cell), method=m) for m in missing(cell)]
-            reason = too_long_reason(cfg, loaded, len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"]))
+            reason = too_long_reason(cfg, loaded, len(p.prefill_ids) + len(p.question_ids), len(p.answer_ids))
             if reason:
                 exp.fail(unmeasured, "too_long", reason)
                 continue

@@ -36,7 +36,14 @@ INSTALL = "pip install -e '.[llamacpp]' (or `make setup-llamacpp`; it compiles l
 
 
 def llamacpp_settings(cfg: dict) -> dict:
+    """The config's ``llamacpp`` section over its defaults; ``lengths`` filled in (the battery's shortest) and checked."""
     s = section(cfg, "llamacpp")
+    battery_lengths = battery_settings(cfg)["lengths"]
+    s["lengths"] = s["lengths"] or battery_lengths[:1]
+    if not set(s["lengths"]) <= set(battery_lengths):
+        raise ValueError(
+            f"llamacpp.lengths {s['lengths']} must be lengths of the battery ({battery_lengths}): it asks the battery's questions"
+        )
     bad = [k for k in s["kv"] if k not in KV_TYPES]
     if bad:
         raise ValueError(f"unknown llama.cpp cache type(s) {bad}; choose from {', '.join(KV_TYPES)}")
@@ -147,14 +154,10 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
     s = llamacpp_settings(cfg)
     if not cfg.get("battery"):
         raise ValueError(f"llamacpp: it asks the battery's questions, and config {cfg['name']} has no battery: section; add one")
-    battery_lengths = battery_settings(cfg)["lengths"]
-    lengths = s["lengths"] or battery_lengths[:1]
-    if not set(lengths) <= set(battery_lengths):
-        raise ValueError(f"llamacpp.lengths {lengths} must be lengths of the battery ({battery_lengths}): it asks the battery's questions")
     gguf = verified_gguf(cfg["model"])
     exp = Experiment(cfg, "llamacpp", lm.name, out_path, progress)
     style, max_new = cfg["niah"]["prompt_styles"][0], cfg["niah"]["max_new_tokens"]
-    prompts = [(ids, q) for ids, q in question_prompts(cfg, lm) if q.length in lengths and q.context < s["contexts"]]
+    prompts = [(ids, q) for ids, q in question_prompts(cfg, lm) if q.length in s["lengths"] and q.context < s["contexts"]]
     runs = variants(s)
 
     def row(q, method):
@@ -163,8 +166,11 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
     todo = [(name, kv, rot) for name, kv, rot in runs if any(not exp.done(row(q, name)) for _, q in prompts)]
     if not todo:
         return exp.path
-    n_ctx = max(len(ids) + len(q.question_ids) + max(len(q.answer_ids), max_new) for ids, q in prompts) + 8
-    reason = too_long_reason(cfg, lm, n_ctx - 8)
+    prompt, answer = max(
+        ((len(ids) + len(q.question_ids), len(q.answer_ids)) for ids, q in prompts), key=lambda p: p[0] + max(p[1], max_new)
+    )
+    n_ctx = prompt + max(answer, max_new) + 8
+    reason = too_long_reason(cfg, lm, prompt, answer)
     if reason:
         raise ValueError(f"llamacpp: {reason}")
     exp.start(len(prompts) * len(todo), "llama.cpp")

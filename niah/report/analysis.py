@@ -144,3 +144,37 @@ def method_table(df: pd.DataFrame, ref: str = "fp16") -> pd.DataFrame:
         "bytes_vs_ref",
     ]
     return s[cols].sort_values("bits_per_value", ascending=False).reset_index(drop=True)
+
+
+def read_mode_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per method asked both ways (``name`` and ``name@engine``) and length: the ``@engine`` read paired against the
+    ``strict`` one on the same questions (:func:`niah.report.stats.paired_table`): both accuracies, engine's losses
+    and gains against strict, McNemar's p, the answer log-prob difference (engine - strict) with its interval, and
+    the mean KL of each against the reference cache. Empty when no method was asked both ways."""
+    from .stats import paired_table
+
+    ok = df[df["status"] == "ok"] if len(df) else df
+    names = set(ok["method"]) if len(ok) else set()
+    rows = []
+    for engine in sorted(m for m in names if m.endswith("@engine") and m.removesuffix("@engine") in names):
+        strict = engine.removesuffix("@engine")
+        pair = ok[ok["method"].isin([strict, engine])]
+        kl = pair.groupby(["method", "length"])["kl_vs_ref"].mean()
+        for _, r in paired_table(pair, strict).query("method == @engine").iterrows():
+            rows.append(
+                {
+                    "method": strict,
+                    "length": r["length"],
+                    "n": r["n"],
+                    "strict": r["ref_accuracy"],
+                    "engine": r["accuracy"],
+                    "losses/gains": f"{r['losses']}/{r['gains']}",
+                    "McNemar p": r["p"],
+                    "log-prob engine - strict": r["logprob_diff"],
+                    "low": r["logprob_low"],
+                    "high": r["logprob_high"],
+                    "KL strict": kl[(strict, r["length"])],
+                    "KL engine": kl[(engine, r["length"])],
+                }
+            )
+    return pd.DataFrame(rows)

@@ -114,6 +114,15 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
         "log-prob difference with a paired bootstrap interval, and the smallest drop this n can detect:\n",
         _paired(ok, ref).to_markdown(index=False),
     ]
+    from .analysis import read_mode_table
+
+    modes = read_mode_table(ok)
+    if len(modes):
+        parts += [
+            "\n**Read modes**: each method asked both `strict` and `@engine`, the engine read paired against the strict one "
+            "on the same questions (losses/gains: engine's), with the mean KL of each against the reference:\n",
+            modes.round(4).to_markdown(index=False),
+        ]
     ppl = run.rows("kv_perplexity")
     if len(ppl) and ref in set(ppl.loc[ppl["status"] == "ok", "method"]):
         parts += [

@@ -72,8 +72,8 @@ class NeedleBench:
         return self.exp.row(weights=qm.name, simulated=qm.scheme.simulated, **cell_keys(self.cfg, cell), method=method)
 
     def _too_long(self, cell) -> str | None:
-        p, n = self.prompts[cell], self.cfg["niah"]
-        return too_long_reason(self.cfg, self.lm, len(p.prefill_ids) + len(p.question_ids) + max(len(p.answer_ids), n["max_new_tokens"]))
+        p = self.prompts[cell]
+        return too_long_reason(self.cfg, self.lm, len(p.prefill_ids) + len(p.question_ids), len(p.answer_ids))
 
     @torch.no_grad()
     def _answers(self, cell, methods: list[str]) -> dict:

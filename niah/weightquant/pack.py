@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def save_packed(path: Path, layers: dict[str, PackedLinear], meta: dict) -> None
     """Write ``layers`` and ``meta`` (JSON-able) to one safetensors file, atomically."""
     flat = {f"{name}.{k}": t.contiguous().clone() for name, p in layers.items() for k, t in p.tensors().items()}  # no shared storage
     shapes = {name: {"shape": list(p.shape), "bits": p.bits, "group": p.group, "extra": p.extra} for name, p in layers.items()}
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")  # its own: two processes may build the same cache entry
     save_file(flat, str(tmp), metadata={"layers": json.dumps(shapes), "meta": json.dumps(meta, default=str)})
     tmp.replace(path)
 
