@@ -60,6 +60,7 @@ MAX_NODES = 100_000  # YAML nodes a config may hold with its aliases expanded; t
 def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
     """How many nodes ``node`` stands for with every alias inside it written out (``sizes``: the ones counted so far)."""
     if id(node) not in sizes:
+        sizes[id(node)] = MAX_NODES + 1  # a node met again while it is still being counted is a cycle: too many
         if isinstance(node, yaml.MappingNode):
             children = [n for pair in node.value for n in pair]
         else:

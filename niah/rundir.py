@@ -109,21 +109,22 @@ def open_table(cfg: dict, kind: str, path: str | Path) -> ResultsTable:
 def selection(cfg: dict, kind: str) -> dict[str, dict[str, set]]:
     """The values of the row fields that ``cfg`` selects for table ``kind``, per source of rows: ``{"battery":
     {"method": {...}, "length": {...}}, "grid": {...}}`` for needle rows (a battery row names its ``context``), one
-    ``"all"`` entry for the others; empty: every row counts.  These are the methods and lengths that only choose
-    which rows exist and are left out of the settings hash: rows of a method or length dropped from the config
-    stay in the file but out of tables."""
-    from .schema import section
-
+    ``"all"`` entry for the sweep and perplexity rows; empty (the other tables): every row counts.  Rows of a
+    method or length dropped from the config stay in the file but out of tables."""
     n, ref = cfg["niah"], cfg["niah"]["reference"]
     if kind == "needles":
+        from .experiments.battery import battery_settings
+
         grid = {"method": {ref, *n["methods"]}, "length": set(n["lengths"])}
         if not cfg.get("battery"):
             return {"grid": grid}
-        b = section(cfg, "battery")
-        return {"grid": grid, "battery": {"method": {ref, *(b["methods"] or n["methods"])}, "length": set(b["lengths"])}}
+        b = battery_settings(cfg)
+        return {"grid": grid, "battery": {"method": set(b["methods"]), "length": set(b["lengths"])}}
     if kind == "sweep":
-        s = section(cfg, "sweep")
-        return {"all": {"method": {ref, *s["methods"]}, "length": set(s["lengths"])}}
+        from .experiments.sweep import sweep_settings
+
+        s = sweep_settings(cfg)
+        return {"all": {"method": set(s["methods"]), "length": set(s["lengths"])}}
     if kind == "kv_perplexity":
         from .experiments.kvppl import kv_perplexity_settings
 

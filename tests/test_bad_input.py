@@ -331,6 +331,13 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     assert time.perf_counter() - t0 < 0.5
 
 
+def test_a_yaml_alias_that_contains_itself_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("name: loop\nmodel: {source: random}\ndescription: &a [*a]\n")
+    with pytest.raises(ConfigError, match=r"loop.yaml: its YAML anchors and aliases .* more than the 100,000"):
+        load_config(str(path))
+
+
 def test_ordinary_yaml_anchors_still_load_and_python_tags_stay_refused(tmp_path):
     path = tmp_path / "anchors.yaml"
     path.write_text("name: anchors\nmodel: {source: random}\nniah: {methods: &m [fp16, q8_0]}\nbattery: {methods: *m}\n")

@@ -114,3 +114,5 @@ def test_breakdown_methods_choose_which_listed_methods_get_rows(smoke_with):
     s = kv_perplexity_settings(cfg)
     assert s["parts"] == {"q4_0+keys": ("q4_0", "keys"), "q4_0+values": ("q4_0", "values")}
     assert s["methods"] == ["fp16", "q4_0", "q8_0", "q4_0+keys", "q4_0+values"]
+    preset = smoke_with("kv_perplexity", methods=["fp16", "turboquant_k3v4_nc"], breakdown=["keys", "full", "sliding"])
+    assert list(kv_perplexity_settings(preset)["parts"]) == ["turboquant_k3v4_nc+keys"]  # it codes full-attention layers only

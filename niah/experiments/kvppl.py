@@ -39,7 +39,8 @@ def kv_perplexity_settings(cfg: dict) -> dict:
     """The config's ``kv_perplexity`` section over its defaults (:data:`niah.schema.KV_PERPLEXITY`), the reference
     method first, then the listed methods, then the breakdown rows of ``breakdown_methods`` (default: every listed
     method): ``s["parts"]`` maps each breakdown row's method name to (the listed method, the part).  A listed method
-    that already names a part of the same kind (a ``+keys`` method gets no ``+values`` row) gets no row for it."""
+    that already names a part of the same kind (a ``+keys`` method gets no ``+values`` row) gets no row for it, and a
+    method that codes one attention layer type only gets no layer-type rows."""
     s = section(cfg, "kv_perplexity")
     if s["continuation"] < 2 or s["context"] < 1 or s["windows"] < 1:
         raise ConfigError(f"kv_perplexity needs context >= 1, continuation >= 2 and windows >= 1 tokens; got {s}")
@@ -55,7 +56,10 @@ def kv_perplexity_settings(cfg: dict) -> dict:
         )
     s["parts"] = {}
     for m in of:
+        layers = get_method(m).layers
         for part in s["breakdown"]:
+            if part in ("full", "sliding") and not (layers.full and layers.sliding):
+                continue  # it codes one layer type only (vLLM's presets): +full is the method, +sliding codes what it never does
             variant = with_modifier(m, part)
             if variant and variant not in listed:
                 s["parts"][variant] = (m, part)

@@ -18,17 +18,24 @@ LLAMA2_70B = {"layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128}
 
 def _variant(ev: Evidence, method: str) -> str:
     """``method`` named with the read mode and layer policy its needle (else perplexity) rows record."""
-    for rows in (ev.niah_method(method), ev.kv_ppl[ev.kv_ppl["method"] == method] if len(ev.kv_ppl) else ev.kv_ppl):
-        if len(rows) and "read_mode" in rows:
-            return f"{method} (read {rows['read_mode'].iloc[0]}, {rows['layer_policy'].iloc[0]})"
+    for rows in (ev.niah_method(method), _ppl_rows(ev, method)):
+        if "read_mode" in rows and rows["read_mode"].notna().any():
+            r = rows.dropna(subset=["read_mode"]).iloc[0]
+            return f"{method} (read {r['read_mode']}, {r['layer_policy']})"
     return method
+
+
+def _ppl_rows(ev: Evidence, method: str) -> pd.DataFrame:
+    """The ``ok`` perplexity-through-cache rows of ``method``."""
+    df = ev.kv_ppl
+    return df[(df["method"] == method) & (df["status"] == "ok")] if len(df) else df
 
 
 def _bits(ev: Evidence, method: str) -> float | None:
     """Mean stored bits per value of ``method`` over the whole cache, from its needle rows, else its perplexity rows."""
     rows = ev.niah_method(method)
-    if not len(rows) and len(ev.kv_ppl):
-        rows = ev.kv_ppl[(ev.kv_ppl["method"] == method) & (ev.kv_ppl["status"] == "ok")]
+    if not len(rows):
+        rows = _ppl_rows(ev, method)
     return float(rows["bits_per_value"].mean()) if len(rows) else None
 
 
@@ -135,14 +142,13 @@ def _no_loss_parts(ev: Evidence, method: str, d: dict | None, table: pd.DataFram
 
 def s1_5(ev):
     """Each 3-bit TurboQuant variant of :data:`S1_5_VARIANTS` that ran (needles, perplexity or both) is judged on its
-    own: ``refuted`` when every one loses needles or perplexity, ``partly`` when some do and others do not, else
+    own: ``refuted`` when every one loses needles or perplexity, ``partly`` when some do and others are not refuted, else
     ``inconclusive`` (code completion is never measured)."""
     table = _ppl(ev)
-    asked = [m for m in S1_5_VARIANTS if len(ev.niah_method(m))]
-    drops = (_drops(ev, *asked) if asked else None) or {}
+    drops = {m: d[m] for m in S1_5_VARIANTS if len(ev.niah_method(m)) and (d := _drops(ev, m))}
     ran = [m for m in S1_5_VARIANTS if m in drops or (table is not None and m in table.index)]
     if not ran:
-        return _missing("turbo3 and fp16 rows")
+        return _missing("3-bit TurboQuant rows with fp16 rows to pair them with")
     judged = {m: _no_loss_parts(ev, m, drops.get(m), table) for m in ran}
     measured = "; ".join(text for _, text in judged.values()) + "; code completion not measured"
     refuted = [m for m, (parts, _) in judged.items() if any(v == "refuted" for v, _ in parts.values())]
