@@ -62,8 +62,18 @@ TABLES = {
     "weightquant_needles": TableKind(
         "weightquant_niah.jsonl",
         ("config", "model", "weights", "prompt_style", "length", "depth", "trial", "method"),
-        (*COMMON, "weight_model", "weightquant", "niah.needle", "niah.max_new_tokens", "niah.prefill_chunk"),
-        ("weightquant.kv_methods",),
+        (*COMMON, "weight_model", "weightquant", "niah", "battery"),
+        (
+            "niah.methods",
+            "niah.lengths",
+            "niah.depths",
+            "niah.trials",
+            "niah.prompt_styles",
+            "battery.methods",
+            "weightquant.kv_methods",
+            "weightquant.needle_lengths",
+            "weightquant.needle_schemes",
+        ),
         ("answer_logprob",),
     ),
     "llamacpp": TableKind(

@@ -85,8 +85,12 @@ WEIGHTQUANT = {  # notebooks 01 and 02 (niah.weightquant); the sizes are the kno
     "salient_bits": [3, 4],
     "zero_share": 0.3,  # channel mask and magnitude pruning (S3-4)
     "awq_grid": 20,  # scale exponents searched per layer
-    "needle": {"length": 4096, "depths": [0.25, 0.75], "trials": 1},
-    "kv_methods": ["fp16", "q8_0", "q4_0", "turbo3"],
+    # the weights x KV cells: the battery's questions at these lengths (niah.weightquant.needle); contexts / needles
+    # None: the battery's (a different number asks other questions than notebook 03's)
+    "needle_lengths": [4096],
+    "needle": {"contexts": None, "needles": None},
+    "needle_schemes": ["fp32", "w8a8_sym", "w4a16_ar", "w4a8", "w4a8_outliers"],  # keys of schemes_01 with needle cells
+    "kv_methods": ["fp16", "q8_0", "q4_0", "turboquant_k8v4@engine"],
     "generate_tokens": 300,  # greedy tokens per scheme for the repetition check
     "prompt_tokens": 32,
 }

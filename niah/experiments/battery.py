@@ -184,18 +184,37 @@ def _flat(s: dict, contexts: list) -> list[tuple[list[int], Question]]:
     return [(ids[: q.length], q) for ids, qs in contexts for q in qs]
 
 
-def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = True) -> Path:
-    """Run every missing (question, method) row of the config's battery; return the results table's path."""
-    s = battery_settings(cfg)
+def run_battery(
+    cfg: dict,
+    lm,
+    out_path: Path | None = None,
+    progress: bool = True,
+    *,
+    settings: dict | None = None,
+    lengths: list[int] | None = None,
+    methods: list[str] | None = None,
+    table: str = "needles",
+    tag: dict | None = None,
+    label: str = "needle battery",
+) -> Path:
+    """Run every missing (question, method) row of the config's battery; return the results table's path.
+
+    The keywords serve notebook 01's weights x KV cells: ``settings`` (default :func:`battery_settings`) builds the
+    questions, of which only those at ``lengths`` are asked (default: all), through ``methods`` (default: the
+    battery's; the reference is always asked first), into results table ``table``, with ``tag`` (e.g.
+    ``{"weights": ...}``) added to every row's keys, under the progress bar's ``label``."""
+    s = settings or battery_settings(cfg)
     n = cfg["niah"]
-    exp = Experiment(cfg, "needles", lm.name, out_path, progress)
-    methods = {m: get_method(m) for m in s["methods"]}
+    ref = n["reference"]
+    asked = sorted(lengths or s["lengths"])
+    exp = Experiment(cfg, table, lm.name, out_path, progress)
+    methods = {m: get_method(m) for m in dict.fromkeys([ref, *(methods or s["methods"])])}
     for m in methods.values():
         m.check_head_dim(lm.head_dim)
-    CacheLayout.from_config(lm.model.config).check_context(s["lengths"][0], lm.name)
-    check_engine_reads(methods, s["lengths"][-1], n["engine_chunk"])
-    style, ref = n["prompt_styles"][0], n["reference"]
-    contexts = battery_contexts(cfg, lm, s)
+    CacheLayout.from_config(lm.model.config).check_context(asked[0], lm.name)
+    check_engine_reads(methods, asked[-1], n["engine_chunk"])
+    style, tag = n["prompt_styles"][0], tag or {}
+    contexts = _at_lengths(s, battery_contexts(cfg, lm, s), set(asked))
 
     def row(q: Question, method: str) -> dict:
         return exp.row(**_keys(q), method=method)
@@ -204,20 +223,28 @@ def run_battery(cfg: dict, lm, out_path: Path | None = None, progress: bool = Tr
         return exp.missing(methods, **_keys(q))
 
     def _keys(q: Question) -> dict:
-        return {**cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial)), "context": q.context, "needle_key": q.key}
+        cell = cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial))
+        return {**cell, **tag, "context": q.context, "needle_key": q.key}
 
     todo = sum(len(missing(q)) for _, q in _flat(s, contexts))
     if not todo:
         return exp.path
     torch.set_num_threads(cfg["threads"])
-    exp.start(todo, "needle battery")
+    exp.start(todo, label)
     how = Asking(methods, ref, missing, row, n["max_new_tokens"], s["sliding_layers"], n["engine_chunk"])
     if s["mode"] == "single":
         for prompts in contexts:
             _run_single_context(exp, lm, prompts, how)
     else:
-        _run_multi_key(exp, lm, contexts, s["lengths"], how)
+        _run_multi_key(exp, lm, contexts, asked, how)
     return exp.close()
+
+
+def _at_lengths(s: dict, contexts: list, lengths: set[int]) -> list:
+    """``contexts`` (of :func:`battery_contexts`) with only the questions at ``lengths``."""
+    if s["mode"] == "single":
+        return [[(ids, q) for ids, q in prompts if q.length in lengths] for prompts in contexts]
+    return [(ids, [q for q in qs if q.length in lengths]) for ids, qs in contexts]
 
 
 @dataclass(frozen=True)

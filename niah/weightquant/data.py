@@ -10,7 +10,6 @@ perplexity, KL, generation prompts and the needle haystack read only evaluation 
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import torch
 
@@ -48,13 +47,3 @@ def token_windows(tokenizer, text: str, count: int, length: int) -> torch.Tensor
 def windows_hash(windows: torch.Tensor) -> str:
     """16 hex digits identifying a set of token windows (the calibration hash of the cache keys)."""
     return hashlib.sha256(windows.to(torch.int64).numpy().tobytes() + str(tuple(windows.shape)).encode()).hexdigest()[:16]
-
-
-def heldout_haystack(folder: Path, share: float) -> Path:
-    """Write the evaluation split as ``folder/pydoc_heldout.txt`` for the needle grid (``haystack: folder``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "pydoc_heldout.txt"
-    text = split_text("evaluation", share)
-    if not path.exists() or path.read_text(encoding="utf-8") != text:
-        path.write_text(text, encoding="utf-8")
-    return folder

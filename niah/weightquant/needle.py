@@ -1,34 +1,29 @@
-"""Needle retrieval under weight schemes x KV-cache methods, paired against fp32 weights with the fp16 cache.
+"""Needle retrieval under weight schemes x KV-cache methods: notebook 03's battery, asked with each scheme's weights.
 
-:func:`niah.experiments.grid.run_grid` compares KV methods within one set of weights.  Here the reference of every row
-is another set of weights (fp32) on the same cell, so a cell's fp32/fp16 answer distributions are kept in
-memory and the loop runs scheme -> cell -> KV method, one prefill per (scheme, cell).  The cells are the
-grid's (``niah.experiments.grid.cells`` and its seeded trials) at one length, over the held-out haystack split, so the
-calibration text never appears in a context.  Rows (``weightquant_niah.jsonl``) carry the grid's field
-names, plus ``weights`` and ``simulated``; ``kl_vs_ref`` and ``top1_vs_ref`` are against fp32/fp16.
+The questions, prompts and scoring are the battery's (:mod:`niah.experiments.battery`), at the lengths
+``weightquant.needle_lengths``: with the battery's own settings when every one of those lengths is a battery
+length (then the fp32 rows answer the same questions as notebook 03's), else a battery of those lengths alone
+(``weightquant.needle`` may set its ``contexts`` and ``needles``).  One prefill per (scheme, question) serves
+every KV method, so a scheme costs its prefills; rows (``weightquant_niah.jsonl``) are battery rows plus
+``weights`` and ``simulated``, and their ``kl_vs_ref`` is against the same weights' fp16 cache.
+:func:`weights_kv_table` pairs each cell with fp32 weights and the fp16 cache on the same questions, and
+:func:`interaction_table` asks whether a KV method costs more on quantized weights than on fp32 ones.
 """
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
+import numpy as np
 import pandas as pd
-import torch
-from tqdm.auto import tqdm
 
-from ..config import validate
-from ..data.haystack import haystack_text, tokenize_haystack
-from ..data.needles import NeedleSpec, make_trial
-from ..data.prompts import build_cell
-from ..experiments.base import Experiment, too_long_reason
-from ..experiments.grid import cell_keys, cells, trial_rng
-from ..experiments.protocol import compare_logits, context_states, kv_entries, prefill, run_method
-from ..experiments.scoring import string_match_all
+from ..experiments.battery import battery_settings, run_battery
 from ..kv.registry import get_method
+from ..report.stats import PAIR_KEY, paired_bootstrap, paired_table
+from ..schema import ConfigError
 from .schemes import FP32, QuantizedModel
+from .settings import settings
 
 REF_METHOD = "fp16"
+SEP = " | "  # joins a weight scheme and a KV method into one paired-table "method"
 
 
 def usable_methods(names: list[str]) -> tuple[list[str], list[str]]:
@@ -43,97 +38,95 @@ def usable_methods(names: list[str]) -> tuple[list[str], list[str]]:
     return ok, missing
 
 
-class NeedleBench:
-    """Needle cells of ``settings`` (``length``, ``depths``, ``trials``) over the held-out text in ``haystack_folder``."""
+def needle_battery(cfg: dict) -> dict:
+    """The battery settings whose questions the weights x KV cells ask (see the module docstring)."""
+    s, w = battery_settings(cfg), settings(cfg)
+    lengths = sorted(w["needle_lengths"])
+    if not cfg.get("battery") or not set(lengths) <= set(s["lengths"]):
+        s["lengths"] = lengths
+    for k in ("contexts", "needles"):
+        v = w["needle"][k]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"weightquant.needle.{k} must be a whole number of at least 1 (or null: the battery's); got {v!r}")
+        s[k] = v if v is not None else s[k]
+    return s
 
-    def __init__(self, cfg: dict, lm, settings: dict, haystack_folder: Path, out_path: Path):
-        raw = {k: v for k, v in cfg.items() if k != "hash"}
-        raw.update(haystack="folder", haystack_folder=str(haystack_folder))
-        raw["niah"] = {
-            **cfg["niah"],
-            "lengths": [settings["length"]],
-            "depths": settings["depths"],
-            "trials": settings["trials"],
-            "methods": [REF_METHOD],
-            "reference": REF_METHOD,
-        }
-        self.cfg, self.lm = validate(raw, f"{cfg['name']} (weightquant needle)"), lm
-        n = self.cfg["niah"]
-        hay = tokenize_haystack(haystack_text("folder", haystack_folder), lm.tokenizer, settings["length"])
-        spec = NeedleSpec(**n["needle"])
-        self.cells = cells(self.cfg)
-        self.prompts = {
-            c: build_cell(lm.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(self.cfg, c)), c.style) for c in self.cells
-        }
-        self.exp = Experiment(cfg, "weightquant_needles", lm.name, out_path)
-        self._ref: dict = {}
 
-    def _row(self, qm: QuantizedModel, cell, method: str) -> dict:
-        return self.exp.row(weights=qm.name, simulated=qm.scheme.simulated, **cell_keys(self.cfg, cell), method=method)
+def run_needles(cfg: dict, lm, qm: QuantizedModel, methods: list[str], path) -> pd.DataFrame:
+    """Ask the weights x KV questions of ``qm`` (applied to ``lm.model`` meanwhile) through ``methods``; its rows."""
+    from ..rundir import open_table
 
-    def _too_long(self, cell) -> str | None:
-        p = self.prompts[cell]
-        return too_long_reason(self.cfg, self.lm, len(p.prefill_ids) + len(p.question_ids), len(p.answer_ids))
+    with qm.applied(lm.model):
+        run_battery(
+            cfg,
+            lm,
+            path,
+            settings=needle_battery(cfg),
+            lengths=settings(cfg)["needle_lengths"],
+            methods=methods,
+            table="weightquant_needles",
+            tag={"weights": qm.name, "simulated": qm.scheme.simulated},
+            label=f"needles {qm.name}",
+        )
+    df = pd.DataFrame(open_table(cfg, "weightquant_needles", path).rows())
+    return df[df["weights"] == qm.name].reset_index(drop=True) if len(df) else df
 
-    @torch.no_grad()
-    def _answers(self, cell, methods: list[str]) -> dict:
-        """Prefill the cell once with the model as it is now, then ask through each KV method."""
-        p, n = self.prompts[cell], self.cfg["niah"]
-        t0 = time.perf_counter()
-        kv = context_states(prefill(self.lm.model, p.prefill_ids, chunk=n["prefill_chunk"]))
-        prefill_s = time.perf_counter() - t0
-        values = kv_entries(kv)
-        out = {}
-        for m in methods:
-            ans, stored, _ = run_method(
-                self.lm.model, self.lm.tokenizer, kv, get_method(m), p.question_ids, p.answer_ids, n["max_new_tokens"]
+
+def _cells(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with ``method`` renamed to ``weights | method`` (one paired-table "method" per cell)."""
+    return df.assign(kv=df["method"], method=df["weights"] + SEP + df["method"])
+
+
+def weights_kv_table(df: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Per (weights, KV method, length): n, accuracy [Wilson], and against fp32 weights with the fp16 cache on the
+    same questions McNemar's exact p (losses/gains) and the answer log-prob difference [paired bootstrap]."""
+    t = paired_table(_cells(df), FP32 + SEP + REF_METHOD, ("length",), seed)
+    if not len(t):
+        return t
+    t[["weights", "kv"]] = t["method"].str.split(SEP, n=1, expand=True, regex=False)
+    t["simulated"] = t["weights"].map(df.drop_duplicates("weights").set_index("weights")["simulated"])
+    first = ["weights", "simulated", "kv"]
+    return t.drop(columns="method")[[*first, *(c for c in t.columns if c not in ("method", *first))]]
+
+
+def interaction_table(df: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Does a quantized KV cache cost more on quantized weights than on fp32?  Per (scheme, KV method, length), on the
+    questions all four cells answered: the difference-in-differences of the answer log-prob,
+    ``(scheme/kv - scheme/fp16) - (fp32/kv - fp32/fp16)``, and of accuracy, each with a paired bootstrap interval
+    over questions; ``verdict``: ``costs more`` / ``costs less`` when the log-prob interval lies below / above 0,
+    else ``inconclusive``."""
+    ok = df[df["status"] == "ok"]
+    keys = list(PAIR_KEY)
+    cell = {k: g.set_index(keys) for k, g in ok.groupby(["weights", "method"])}
+    rows = []
+    for (w, m), mine in cell.items():
+        if w == FP32 or m == REF_METHOD or (w, REF_METHOD) not in cell or (FP32, m) not in cell or (FP32, REF_METHOD) not in cell:
+            continue
+        parts = [mine, cell[(w, REF_METHOD)], cell[(FP32, m)], cell[(FP32, REF_METHOD)]]
+        both = parts[0].index
+        for p in parts[1:]:
+            both = both.intersection(p.index)
+        for L in sorted(set(both.get_level_values("length"))):
+            idx = [i for i in both if i[keys.index("length")] == L]
+            lp = [p.loc[idx, "answer_logprob"].to_numpy() for p in parts]
+            acc = [(p.loc[idx, "score"].to_numpy() >= 1.0).astype(float) for p in parts]
+            d, lo, hi = paired_bootstrap((lp[0] - lp[1]) - (lp[2] - lp[3]), seed)
+            a, alo, ahi = paired_bootstrap((acc[0] - acc[1]) - (acc[2] - acc[3]), seed)
+            rows.append(
+                {
+                    "weights": w,
+                    "kv": m,
+                    "length": L,
+                    "n": len(idx),
+                    "kv_cost_on_fp32": float(np.mean(lp[2] - lp[3])),
+                    "kv_cost_on_weights": float(np.mean(lp[0] - lp[1])),
+                    "logprob_did": d,
+                    "low": lo,
+                    "high": hi,
+                    "accuracy_did": a,
+                    "accuracy_low": alo,
+                    "accuracy_high": ahi,
+                    "verdict": "costs more" if hi < 0 else "costs less" if lo > 0 else "inconclusive",
+                }
             )
-            out[m] = (ans, {"kv_bytes": stored["total"], "bits_per_value": 8 * stored["total"] / values, "prefill_s": prefill_s})
-        return out
-
-    def _reference(self, cell):
-        """The fp32-weights, fp16-cache answer of ``cell`` (the model must be in its fp32 state)."""
-        if cell not in self._ref:
-            self._ref[cell] = self._answers(cell, [REF_METHOD])[REF_METHOD][0]
-        return self._ref[cell]
-
-    def run(self, qm: QuantizedModel, methods: list[str]) -> pd.DataFrame:
-        """Rows of ``qm`` x ``methods`` on every cell (only missing ones are computed)."""
-        todo = {c: [m for m in methods if not self.exp.done(self._row(qm, c, m))] for c in self.cells}
-        todo = {c: ms for c, ms in todo.items() if ms}
-        for c, ms in todo.items():
-            reason = self._too_long(c)
-            if reason:
-                self.exp.fail([self._row(qm, c, m) for m in ms], "too_long", reason)
-        todo = {c: ms for c, ms in todo.items() if not self._too_long(c)}
-        if qm.name != FP32:
-            for c in tqdm(todo, desc="fp32 reference cells", leave=False):
-                self._reference(c)
-        with qm.applied(self.lm.model):
-            for c, ms in tqdm(todo.items(), desc=f"needle {qm.name}", unit="cell"):
-                answers = self._answers(c, list(dict.fromkeys([REF_METHOD, *ms]) if qm.name == FP32 else ms))
-                if qm.name == FP32:
-                    self._ref[c] = answers[REF_METHOD][0]
-                for m in ms:
-                    ans, extra = answers[m]
-                    kl, top1 = compare_logits(self._ref[c].answer_logsoftmax, ans.answer_logsoftmax)
-                    p = self.prompts[c]
-                    self.exp.write(
-                        [
-                            {
-                                **self._row(qm, c, m),
-                                "status": "ok",
-                                "reason": "",
-                                "expected": p.expected,
-                                "generated": ans.text,
-                                "score": string_match_all(ans.text, p.expected),
-                                "answer_logprob": ans.answer_logprob,
-                                "kl_vs_ref": kl,
-                                "top1_vs_ref": top1,
-                                "context_tokens": len(p.prefill_ids),
-                                **extra,
-                            }
-                        ]
-                    )
-        df = pd.DataFrame(self.exp.table.rows())
-        return df[df["weights"] == qm.name].reset_index(drop=True)
+    return pd.DataFrame(rows)

@@ -7,8 +7,6 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from ..report.analysis import summarize
-
 
 def _labels(df: pd.DataFrame) -> list[str]:
     return [s + (" [simulated]" if sim else "") for s, sim in zip(df["scheme"], df["simulated"])]
@@ -64,19 +62,21 @@ def kurtosis_vs_error(layers: pd.DataFrame, title: str):
     return fig
 
 
-def combined_heatmap(needle: pd.DataFrame, weights: list[str], methods: list[str]):
-    """Weight scheme x KV method: needle accuracy (colour) with its Wilson interval, n, answer log-prob and KL vs fp32/fp16."""
-    s = summarize(needle, ["weights", "method"])
-    grid = s.pivot(index="weights", columns="method", values="accuracy").reindex(index=weights, columns=methods)
-    sims = needle.drop_duplicates("weights").set_index("weights")["simulated"]
-    text = s.assign(
+def combined_heatmap(table: pd.DataFrame, weights: list[str], methods: list[str]):
+    """Weight scheme x KV method at one length (``table``: :func:`niah.weightquant.needle.weights_kv_table` rows of that
+    length): needle accuracy (colour) with its Wilson interval and n, McNemar's p and the mean answer log-prob
+    difference against fp32 weights with the fp16 cache on the same questions."""
+    grid = table.pivot(index="weights", columns="kv", values="accuracy").reindex(index=weights, columns=methods)
+    text = table.assign(
         t=[
-            f"{a:.2f} [{lo:.2f},{hi:.2f}]\nn={int(n)} logp {lp:.1f}\nKL {kl:.1e}"
-            for a, lo, hi, n, lp, kl in zip(s["accuracy"], s["ci_low"], s["ci_high"], s["n"], s["answer_logprob"], s["kl_vs_ref"])
+            f"{a:.2f} [{lo:.2f},{hi:.2f}] n={int(n)}\np={p:.2g}  dlogp {d:+.2f}"
+            for a, lo, hi, n, p, d in zip(
+                table["accuracy"], table["ci_low"], table["ci_high"], table["n"], table["p"], table["logprob_diff"]
+            )
         ]
     )
-    labels = text.pivot(index="weights", columns="method", values="t").reindex(index=weights, columns=methods).fillna("")
-    fig, ax = plt.subplots(figsize=(2.6 * len(methods) + 2, 1.1 * len(weights) + 1.5))
+    labels = text.pivot(index="weights", columns="kv", values="t").reindex(index=weights, columns=methods).fillna("not run")
+    fig, ax = plt.subplots(figsize=(2.4 * len(methods) + 2.5, 0.9 * len(weights) + 1.5))
     sns.heatmap(
         grid,
         annot=labels,
@@ -89,10 +89,14 @@ def combined_heatmap(needle: pd.DataFrame, weights: list[str], methods: list[str
         annot_kws={"fontsize": 7},
         cbar_kws={"label": "needle accuracy"},
     )
+    sims = table.drop_duplicates("weights").set_index("weights")["simulated"]
     ax.set_yticklabels([w + (" [simulated]" if sims.get(w, False) else "") for w in grid.index], rotation=0)
     ax.set_xlabel("KV cache method")
     ax.set_ylabel("weights")
-    length = int(needle["length"].iloc[0])
-    ax.set_title(f"needle retrieval at {length} tokens (95% Wilson interval, n trials; KL vs fp32 weights + fp16 cache)", fontsize=9)
+    length = int(table["length"].iloc[0])
+    ax.set_title(
+        f"needle retrieval at {length} tokens: accuracy [95% Wilson], McNemar p and answer log-prob change vs fp32 weights + fp16 cache",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig

@@ -19,8 +19,9 @@ weights      ``kurtosis_fp32`` (Pearson, pooled over the fp32 decoder linear wei
 calibration  ``calibration_hash``, ``calibration_samples``, ``calibration_seqlen``, ``calibration_share``, ``calibrated``
              (AutoRound: iters, samples, seqlen, amp, wall_s, rss_start_bytes, peak_rss_bytes, version, tuned_in, cache_hit;
              AWQ: alpha per input group, grid, unscaled groups, cache_hit), ``eval_s`` (seconds this row took)
-needle       ``needle_length``, ``needle_n``, ``needle_accuracy``, ``needle_ci_low``, ``needle_ci_high``,
-             ``needle_answer_logprob``, ``needle_kl_vs_fp32`` (fp16 KV cache; empty when not run for the scheme)
+needle       ``needle_length`` (the shortest of ``needle_lengths``), ``needle_n``, ``needle_accuracy``, ``needle_ci_low``,
+             ``needle_ci_high``, ``needle_answer_logprob`` (the battery's questions with the fp16 KV cache; empty when not run
+             for the scheme; every cell is in ``weightquant_niah.jsonl``, see :mod:`niah.weightquant.needle`)
 generation   ``repeat_share``, ``repeat_by_segment``, ``generated_tokens``, ``generated_text`` (greedy, when run)
 library      for scheme ``auto-round W4A8 check``: :func:`~niah.weightquant.autoround.w4a8_offer`'s fields (claim S3-10)
 
@@ -46,12 +47,13 @@ from ..experiments.base import provenance
 from ..models import cache_dir
 from ..report.analysis import summarize
 from ..rundir import RunDir
+from ..schema import ConfigError
 from . import autoround
 from .awq import foldable, search_scale
 from .cache import cached
-from .data import heldout_haystack, split_text, token_windows, windows_hash
+from .data import split_text, token_windows, windows_hash
 from .evaluate import Evaluator, generate, repetition
-from .needle import NeedleBench, usable_methods
+from .needle import needle_battery, run_needles, usable_methods
 from .quant import fake_quant_weight
 from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs
 from .schemes import QuantizedModel, Scheme, rtn_layers, with_kept_channels, zeroed_layers
@@ -85,11 +87,6 @@ class Study:
     @cached_property
     def stats(self):
         return collect_inputs(self.lm.model, self.calibration, self.s["calibration"]["sample_tokens"], self.cfg["seed"])
-
-    @cached_property
-    def needle(self) -> NeedleBench:
-        folder = heldout_haystack(self.run_dir / "heldout_haystack", self.s["calibration_share"])
-        return NeedleBench(self.cfg, self.lm, self.s["needle"], folder, RunDir(self.cfg, self.run_dir).file("weightquant_needles"))
 
     @cached_property
     def kv_methods(self) -> list[str]:
@@ -197,10 +194,14 @@ class Study:
         names that also generate ``generate_tokens`` greedy tokens.  Returns the rows of ``schemes``."""
         needle = needle or {}
         for sch in schemes:
-            if self.table.key(self._base(sch.name)) in self.table.done:
+            done = self.table.key(self._base(sch.name)) in self.table.done
+            if done and sch.name not in needle:
                 continue
             t0 = time.perf_counter()
             qm, record = self.build(sch)
+            found = self._needle_fields(qm, needle[sch.name]) if sch.name in needle else {}  # resumes missing cells
+            if done:
+                continue
             facts = self._weights_facts
             linear = qm.linear_bytes(self.lm.model)
             zeros = sum(int((w == 0).sum()) for w in qm.dense.values()) / max(sum(w.numel() for w in qm.dense.values()), 1)
@@ -223,8 +224,7 @@ class Study:
                 "calibrated": record,
             }
             row["ppl_delta"] = row["ppl"] - row["ppl_fp32"]
-            if sch.name in needle:
-                row.update(self._needle_fields(qm, needle[sch.name]))
+            row.update(found)
             if sch.name in generate_for:
                 prompt = self.evaluator.windows[0, : self.s["prompt_tokens"]].tolist()
                 with qm.applied(self.lm.model):
@@ -234,19 +234,28 @@ class Study:
             self.table.append(row)
         return self.rows([s.name for s in schemes])
 
+    def needle_plan(self, schemes: dict[str, Scheme]) -> dict[str, list[str]]:
+        """``{scheme name: KV methods}`` for the schemes of ``weightquant.needle_schemes`` (keys of ``schemes``)."""
+        unknown = sorted(set(self.s["needle_schemes"]) - set(schemes))
+        if unknown:
+            raise ConfigError(f"weightquant.needle_schemes: unknown scheme(s) {unknown}; choose from {', '.join(schemes)}")
+        return {schemes[k].name: self.kv_methods for k in self.s["needle_schemes"]}
+
     def _needle_fields(self, qm: QuantizedModel, methods: list[str]) -> dict:
-        df = self.needle.run(qm, [m for m in methods if m in self.kv_methods])
-        s = summarize(df[df["method"] == "fp16"], ["weights"]).iloc[0] if (df["method"] == "fp16").any() else None
+        path = RunDir(self.cfg, self.run_dir).file("weightquant_needles")
+        df = run_needles(self.cfg, self.lm, qm, [m for m in methods if m in self.kv_methods], path)
+        L = min(self.s["needle_lengths"])
+        ok = df[(df["method"] == "fp16") & (df["length"] == L)] if len(df) else df
+        s = summarize(ok, ["weights"]).iloc[0] if len(ok) else None
         if s is None or not s["n"]:
-            return {"needle_length": self.s["needle"]["length"], "needle_n": 0}
+            return {"needle_length": L, "needle_n": 0}
         return {
-            "needle_length": self.s["needle"]["length"],
+            "needle_length": L,
             "needle_n": int(s["n"]),
             "needle_accuracy": s["accuracy"],
             "needle_ci_low": s["ci_low"],
             "needle_ci_high": s["ci_high"],
             "needle_answer_logprob": s["answer_logprob"],
-            "needle_kl_vs_fp32": s["kl_vs_ref"],
         }
 
     def rows(self, names: list[str] | None = None) -> pd.DataFrame:
@@ -270,7 +279,7 @@ class Study:
         from .data import split_keys
 
         calib, held = split_keys(self.s["calibration_share"])
-        c, e, n = self.s["calibration"], self.s["evaluation"], self.s["needle"]
+        c, e, b = self.s["calibration"], self.s["evaluation"], needle_battery(self.cfg)
         facts = {
             "calibration split": f"{len(calib)} pydoc topic keys (sha256 rule, share {self.s['calibration_share']})",
             "evaluation split": f"{len(held)} other topic keys; perplexity, KL, generation prompt and needle haystack",
@@ -280,6 +289,8 @@ class Study:
             "AutoRound": "iters {iters}, {samples} of the calibration windows cut to {seqlen} tokens, batch {batch_size}, "
             "amp (bf16) {amp}".format(**self.s["autoround"])
             + f", group {self.s['group']}",
-            "needle cells": f"{n['length']} tokens, depths {n['depths']}, {n['trials']} trial(s) each; KV methods {self.kv_methods}",
+            "needle cells": f"the battery's questions at {self.s['needle_lengths']} tokens: {b['contexts']} contexts x {b['needles']} "
+            f"needles ({b['depths']} depths, {b['mode']} mode) per length, over the whole {self.cfg['haystack']} haystack "
+            f"(calibration topics included); KV methods {self.kv_methods}; schemes {self.s['needle_schemes']}",
         }
         return pd.DataFrame({"value": facts})
