@@ -371,6 +371,11 @@ def test_weight_quantization_verdicts_follow_the_measurements():
     assert verdict("S3-1", _wq({sym: 1.2, asym: 0.7})) != verdict("S3-1", _wq({sym: 0.5, asym: 0.9}))
     g = "W4A8 AutoRound g64"
     assert verdict("S3-2", _wq({g: 15.3, g + " +1% int8 channels": 2.1})) != verdict("S3-2", _wq({g: 2.0, g + " +1% int8 channels": 2.5}))
+    g128 = "W4A8 AutoRound g128"  # the group is the config's (cpu: 128): the claims find the rows whatever it is
+    assert verdict("S3-2", _wq({g128: 15.3, g128 + " +1% int8 channels": 2.1})) == verdict(
+        "S3-2", _wq({g: 15.3, g + " +1% int8 channels": 2.1})
+    )
+    assert not verdict("S3-2", _wq({g128: 15.3, g128 + " +1% int8 channels": 2.1})).startswith("untestable")
     assert verdict("S3-12", _wq({"W4A16": 1.0})) != verdict("S3-12", _wq({"W4A16": 2.0}))
     names = [f"W3A16 RTN g64 asym{s}" for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")]
     assert verdict("S3-5", _wq(dict(zip(names, (40, 10, 35, 38))))) != verdict("S3-5", _wq(dict.fromkeys(names, 40)))

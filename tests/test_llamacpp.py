@@ -106,7 +106,7 @@ def test_run_llamacpp_without_a_battery_refuses_rather_than_ask_default_question
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["model", "weight_model"])  # Gemma-3-270M Q4_K_M, SmolLM2-135M Q4_1
+@pytest.mark.parametrize("which", ["cpu", "quick"])  # their models: Gemma-3-270M Q4_K_M, SmolLM2-135M Q4_1
 def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs(tmp_path, which):
     pytest.importorskip("llama_cpp", reason="the [llamacpp] extra is not installed (make setup-llamacpp)")
     from niah.config import load_config, validate
@@ -115,7 +115,7 @@ def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs
     from niah.rundir import load_table
 
     raw = {k: v for k, v in load_config("cpu").items() if k != "hash"}
-    raw["model"] = raw[which]
+    raw["model"] = load_config(which)["model"]
     raw["battery"] = {**raw["battery"], "lengths": [1024], "contexts": 1, "needles": 3, "methods": ["fp16", "q8_0"]}
     raw["llamacpp"] = {"lengths": [1024], "contexts": 1, "kv": ["f16", "q8_0"], "rotation": [True]}
     cfg = validate(raw)

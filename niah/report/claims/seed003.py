@@ -3,6 +3,8 @@ quantization): claims S3-1 to S3-12, and the helpers only they use."""
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from ..stats import PAIR_KEY, paired_bootstrap
@@ -54,12 +56,18 @@ def s3_9(ev):
     return measured, "supported" if hi < 0 else f"inconclusive (n={len(kl)}, KL e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}])"
 
 
+def _any_group(name: str) -> str:
+    """A scheme name with its group size left out (``W4A8 AutoRound g128`` -> ``W4A8 AutoRound g*``): the config's
+    ``weightquant.group`` is part of every grouped scheme's name."""
+    return re.sub(r" g\d+\b", " g*", name)
+
+
 def _wq(ev: Evidence, scheme: str) -> pd.Series | None:
-    """The weight-quantization row of ``scheme`` (status ok), or None."""
+    """The weight-quantization row of ``scheme`` (status ok; ``g64`` in the name matches any group), or None."""
     df = ev.weightquant
     if not len(df) or "scheme" not in df:
         return None
-    rows = df[(df["scheme"] == scheme) & (df["status"] == "ok")]
+    rows = df[(df["scheme"].map(_any_group) == _any_group(scheme)) & (df["status"] == "ok")]
     return rows.iloc[-1] if len(rows) else None
 
 
@@ -83,7 +91,10 @@ def s3_2(ev):
     if rows is None:
         return _missing("W4A8 rows")
     plain, kept = (float(r["ppl_delta"]) for r in rows)
-    measured = f"W4A8 (AutoRound int4 g64, simulated int8 activations): +{plain:.2f} perplexity; with 1% int8 input channels +{kept:.2f}"
+    group = int(rows[0]["group"]) if "group" in rows[0] else 64
+    measured = (
+        f"W4A8 (AutoRound int4 g{group}, simulated int8 activations): +{plain:.2f} perplexity; with 1% int8 input channels +{kept:.2f}"
+    )
     if kept <= 2.1 * 1.5 and plain >= 10:
         return measured, "supported"
     return measured, "partly" if kept < plain else "refuted"
@@ -154,7 +165,7 @@ def s3_11(ev):
     df = ev.weightquant
     if not len(df) or "kurtosis_fp32" not in df:
         return _missing("kurtosis rows")
-    w4a8 = df[(df["scheme"] == "W4A8 AutoRound g64") & (df["status"] == "ok")].drop_duplicates("model", keep="last")
+    w4a8 = df[(df["scheme"].map(_any_group) == "W4A8 AutoRound g*") & (df["status"] == "ok")].drop_duplicates("model", keep="last")
     if not len(w4a8):
         return _missing("W4A8 rows")
     measured = "; ".join(
