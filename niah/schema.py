@@ -80,6 +80,8 @@ WEIGHTQUANT = {  # notebooks 01 and 02 (niah.weightquant); the sizes are the kno
     "evaluation": {"windows": 8, "length": 512, "batch": 2},
     "group": 64,  # weights per scale
     "autoround": {"iters": 10, "samples": 8, "seqlen": 128, "batch_size": 8, "amp": False},  # the first calibration windows, cut to seqlen
+    # W4A16 on the first `blocks` decoder layers: RTN, AutoRound at `autoround.iters` and at `iters` (auto-round's default)
+    "autoround_check": {"blocks": 2, "iters": 200},
     "outlier_share": 0.01,  # W4A8: input channels kept in int8 weights (S3-2)
     "salient_share": 0.01,  # AWQ's experiment: input channels kept in fp16 (S3-5)
     "salient_bits": [3, 4],

@@ -224,3 +224,15 @@ def test_unknown_weightquant_setting_is_an_error(smoke_cfg):
     with pytest.raises(ConfigError, match=r"unknown weightquant setting\(s\) \[.iters.\]"):
         settings({**smoke_cfg, "weightquant": {"iters": 3}})
     assert kurtosis(_randn(200_000)) == pytest.approx(3.0, abs=0.05)
+
+
+def test_autoround_on_the_first_blocks_tunes_only_those_and_leaves_the_model_whole(smoke_cfg, tiny):
+    pytest.importorskip("auto_round")
+    windows = torch.randint(0, 250, (2, 16))
+    before = {n: m.weight.clone() for n, m in decoder_linears(tiny.model).items()}
+    layers, record = autoround.calibrate(tiny.model, tiny.tokenizer, windows, 4, 32, True, 1, 2, False, 0, blocks=1)
+    assert set(layers) == {n for n in before if n.startswith("model.layers.0.")} and record["blocks"] == 1
+    assert len(tiny.model.base_model.layers) == 2 and tiny.model.config.num_hidden_layers == 2
+    assert all((m.weight == before[n]).all() for n, m in decoder_linears(tiny.model).items())
+    with pytest.raises(ValueError, match="needs 1 to 2 blocks"):
+        autoround.first_blocks(tiny.model, 3)

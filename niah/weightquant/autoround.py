@@ -113,8 +113,36 @@ def _codes(layer: torch.nn.Linear, bits: int, group: int, sym: bool) -> QWeight:
     return QWeight(codes, layer.scale.detach().half().reshape(scale.shape), zero, bits)
 
 
+def first_blocks(model, blocks: int):
+    """A copy of ``model`` with only its first ``blocks`` decoder layers (the layer-type pattern cut to match).  AutoRound
+    tunes a block on the outputs of the blocks before it, so the copy's blocks tune as they would in the whole model."""
+    base = model.base_model
+    layers = base.layers
+    if not 1 <= blocks <= len(layers):
+        raise ValueError(f"the AutoRound check needs 1 to {len(layers)} blocks of this model; got {blocks}")
+    base.layers = torch.nn.ModuleList(layers[:blocks])
+    try:
+        work = copy.deepcopy(model)
+    finally:
+        base.layers = layers
+    work.config.num_hidden_layers = blocks
+    if getattr(work.config, "layer_types", None):
+        work.config.layer_types = work.config.layer_types[:blocks]
+    return work
+
+
 def calibrate(
-    model, tokenizer, windows: torch.Tensor, bits: int, group: int, sym: bool, iters: int, batch_size: int, amp: bool, seed: int
+    model,
+    tokenizer,
+    windows: torch.Tensor,
+    bits: int,
+    group: int,
+    sym: bool,
+    iters: int,
+    batch_size: int,
+    amp: bool,
+    seed: int,
+    blocks: int | None = None,
 ) -> tuple[dict[str, PackedLinear], dict]:
     """AutoRound ``bits``-bit weights (activations untouched) for every decoder linear of ``model``.
 
@@ -122,9 +150,10 @@ def calibrate(
     nothing and downloads nothing).  ``amp=False`` tunes in fp32; auto-round's CPU default (``amp=True``) casts the
     model to bf16, which this kind of CPU only emulates.  Returns the packed layers and a record of the run:
     iterations, samples, sequence length, wall seconds, this process's resident memory at the start and its peak, version.
+    ``blocks``: tune only the first ``blocks`` decoder layers (:func:`first_blocks`); the others are not returned.
     """
     sch = scheme(bits, group, sym)
-    work = copy.deepcopy(model)
+    work = copy.deepcopy(model) if blocks is None else first_blocks(model, blocks)
     torch.manual_seed(seed)
     ar = _autoround(work, tokenizer, windows, sch, iters, batch_size, amp, seed)
     t0 = time.perf_counter()
@@ -147,6 +176,7 @@ def calibrate(
         "rss_start_bytes": mem.values[0] if mem.values else 0,
         "peak_rss_bytes": max(mem.values, default=0),
         "tuned_in": str(next(work.parameters()).dtype),
+        "blocks": blocks,
     }
     return layers, record
 

@@ -56,7 +56,7 @@ from .evaluate import Evaluator, generate, repetition
 from .needle import needle_battery, run_needles, usable_methods
 from .quant import fake_quant_weight
 from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs
-from .schemes import QuantizedModel, Scheme, rtn_layers, with_kept_channels, zeroed_layers
+from .schemes import QuantizedModel, Scheme, rtn_layers, schemes_01, with_kept_channels, zeroed_layers
 from .settings import settings
 from .tables import OFFER
 
@@ -124,6 +124,59 @@ class Study:
                 self.cfg["seed"],
             ),
         )
+
+    def autoround_check(self) -> pd.DataFrame:
+        """Is AutoRound's gap to round-to-nearest a matter of iterations?  W4A16 on the first
+        ``autoround_check.blocks`` decoder layers only (the others fp32): RTN, AutoRound at this config's iterations
+        (those layers of the whole-model calibration) and AutoRound at ``autoround_check.iters`` (auto-round's
+        default is 200; tuned on those layers alone, cached).  Per row: held-out perplexity, KL and top-1 against
+        fp32, and the calibration's seconds per (block, iteration)."""
+        c, a = self.s["autoround_check"], self.s["autoround"]
+        S = schemes_01(self.s)
+        rtn, ar = S["w4a16_rtn"], S["w4a16_ar"]
+        windows = self.calibration[: a["samples"], : a["seqlen"]]
+        more = cached(
+            self._key(ar, autoround={**a, "iters": c["iters"]}, blocks=c["blocks"], version=autoround.version()),
+            lambda: autoround.calibrate(
+                self.lm.model,
+                self.lm.tokenizer,
+                windows,
+                ar.w_bits,
+                ar.group,
+                ar.sym,
+                c["iters"],
+                a["batch_size"],
+                a["amp"],
+                self.cfg["seed"],
+                blocks=c["blocks"],
+            ),
+        )
+        names = list(more.layers)
+        whole = self._autoround(ar)
+        total = len(self.lm.model.base_model.layers)
+        variants = [
+            ("RTN", 0, rtn_layers(self.lm.model, rtn), None),
+            ("AutoRound", a["iters"], whole.layers, whole.record["wall_s"] / (total * a["iters"])),
+            ("AutoRound", c["iters"], more.layers, more.record["wall_s"] / (c["blocks"] * c["iters"])),
+        ]
+        rows = []
+        for rounding, iters, layers, per_block_iter in variants:
+            sch = Scheme(f"W4A16 {rounding} g{ar.group}, first {c['blocks']} blocks", w_bits=4, group=ar.group, sym=ar.sym)
+            m = self.evaluator.measure(QuantizedModel(sch, {n: layers[n] for n in names}))
+            rows.append(
+                {
+                    "rounding": rounding,
+                    "iters": iters,
+                    "blocks": c["blocks"],
+                    "layers": len(names),
+                    "ppl": m["ppl"],
+                    "ppl_fp32": m["ppl_fp32"],
+                    "kl_vs_fp32": m["kl_vs_fp32"],
+                    "top1_vs_fp32": m["top1_vs_fp32"],
+                    "s_per_block_iter": per_block_iter,
+                }
+            )
+        return pd.DataFrame(rows)
 
     def _awq(self, scheme: Scheme):
         key = self._key(scheme, awq_grid=self.s["awq_grid"], sample_tokens=self.s["calibration"]["sample_tokens"])
