@@ -6,7 +6,9 @@ import pandas as pd
 import pytest
 
 from niah.experiments.battery import run_battery
+from niah.report.summary import _weights_parts
 from niah.results import read_rows
+from niah.rundir import RunDir
 from niah.schema import ConfigError
 from niah.weightquant.needle import interaction_table, needle_battery, run_needles, weights_kv_table
 from niah.weightquant.schemes import QuantizedModel, Scheme, rtn_layers
@@ -85,7 +87,7 @@ def test_the_questions_are_the_batterys_when_its_lengths_hold_the_needle_lengths
 def test_fp32_cells_answer_the_batterys_questions_and_a_scheme_gets_its_own_rows(tmp_path, smoke_with, tiny):
     cfg = smoke_with("weightquant", needle_lengths=[512], kv_methods=["fp16", "q4_0"])
     battery = pd.DataFrame(read_rows(run_battery(cfg, tiny, tmp_path / "battery.jsonl", progress=False)))
-    path = tmp_path / "wq.jsonl"
+    path = tmp_path / "weightquant_niah.jsonl"  # the run folder's file: the summary reads it
     fp32 = run_needles(cfg, tiny, QuantizedModel(Scheme("fp32")), ["q4_0"], path)
     assert set(fp32["method"]) == {"fp16", "q4_0"} and set(fp32["length"]) == {512} and len(fp32) == 2 * 4
     same = battery[(battery["length"] == 512) & battery["method"].isin(["fp16", "q4_0"])]
@@ -101,3 +103,5 @@ def test_fp32_cells_answer_the_batterys_questions_and_a_scheme_gets_its_own_rows
     assert len(read_rows(path)) == 16
     again = run_needles(cfg, tiny, QuantizedModel(Scheme("fp32")), ["q4_0"], path)
     assert len(again) == 8 and len(read_rows(path)) == 16, "a rerun asks nothing again"
+    text = "\n".join(_weights_parts(cfg, RunDir(cfg, tmp_path)))
+    assert "**Weights x KV cache**" in text and "| W4 RTN" in text and "**Interaction**" in text

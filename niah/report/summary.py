@@ -99,6 +99,40 @@ def _ledger_counts(run: RunDir) -> str:
     return ", ".join(f"{counts[v]} {v}" for v in ("supported", "refuted", "partly", "inconclusive", "untestable") if v in counts)
 
 
+def _weights_parts(cfg: dict, run: RunDir) -> list[str]:
+    """Notebook 01's weights x KV table, the interaction and the AutoRound check, where the run has them."""
+    from ..weightquant.needle import interaction_table, weights_kv_table
+    from ..weightquant.settings import settings
+
+    s, parts = settings(cfg), []
+    rows = run.rows("weightquant_needles")
+    if len(rows):
+        rows = rows[rows["method"].isin(s["kv_methods"]) & rows["length"].isin(s["needle_lengths"])]
+    if len(rows) and (rows["status"] == "ok").any():
+        table = weights_kv_table(rows, cfg["seed"])
+        cols = ["weights", "kv", "length", "n", "accuracy", "ci_low", "ci_high", "losses", "gains", "p"]
+        cols += ["logprob_diff", "logprob_low", "logprob_high"]
+        parts += [
+            "\n**Weights x KV cache** (notebook 01; the battery's questions, each cell against fp32 weights + fp16 cache on the "
+            "same questions: McNemar's exact p, answer log-prob difference with a paired bootstrap interval):\n",
+            table[cols].round(3).to_markdown(index=False),
+        ]
+        inter = interaction_table(rows, cfg["seed"])
+        if len(inter):
+            parts += [
+                "\n**Interaction**: the KV method's answer log-prob cost on the scheme's weights minus its cost on fp32 "
+                "(difference-in-differences, paired bootstrap), and the same for accuracy:\n",
+                inter.round(3).to_markdown(index=False),
+            ]
+    check = run.path / "weightquant_autoround_check.csv"
+    if check.exists():
+        parts += [
+            "\n**AutoRound against round-to-nearest** (W4A16 on the first blocks only, the rest fp32; held-out perplexity):\n",
+            pd.read_csv(check).round(4).to_markdown(index=False),
+        ]
+    return parts
+
+
 def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
     """The run's headline tables as Markdown (raises :class:`NoResults` without ``ok`` needle rows)."""
     from .analysis import accuracy_table, at_lengths
@@ -147,6 +181,7 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
             "",
             speed_table(lcpp).round(3).to_markdown(index=False),
         ]
+    parts += _weights_parts(cfg, run)
     parts += [f"\n**Claims ledger**: {_ledger_counts(run)} (of the claims in `claims/claims.yaml`; the report has each verdict)."]
     return "\n".join(parts) + "\n"
 
