@@ -206,13 +206,16 @@ def _check_sections(cfg: dict, where: str) -> None:
             methods = read(cfg).get("methods", [])
             for m in methods or []:
                 get_method(m)
+        from .cluster import cluster_settings
+
+        cluster_settings(cfg)
     except (ValueError, TypeError) as err:  # ConfigError included
         raise ConfigError(f"{where}: {err}") from None
 
 
 def config_hash(cfg: dict) -> str:
-    """12 hex digits of the sha256 of the config's canonical JSON (without the hash itself)."""
-    body = {k: v for k, v in cfg.items() if k != "hash"}
+    """12 hex digits of the sha256 of the config's canonical JSON (without the hash itself and ``cluster:``)."""
+    body = {k: v for k, v in cfg.items() if k not in ("hash", "cluster")}  # where cells run does not change their rows
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -97,7 +97,22 @@ WEIGHTQUANT = {  # notebooks 01 and 02 (niah.weightquant); the sizes are the kno
     "prompt_tokens": 32,
 }
 
-SECTIONS = {"battery": BATTERY, "sweep": SWEEP, "kv_perplexity": KV_PERPLEXITY, "llamacpp": LLAMACPP, "weightquant": WEIGHTQUANT}
+CLUSTER = {  # scale-out on Ray (niah.cluster): the section's presence, or --cluster ADDRESS, turns it on
+    "engine": "ray",
+    "address": None,  # None: a local cluster started by the run; "auto": the running one; "ray://host:10001": a remote head
+    "workers": 2,  # Ray actors, each with one copy of the model
+    "gpus_per_worker": 0,  # GPUs per actor (1: one model per GPU; more: the model spread with device_map)
+    "cpus_per_worker": 1,  # CPUs per actor, and its torch threads
+}
+
+SECTIONS = {
+    "battery": BATTERY,
+    "sweep": SWEEP,
+    "kv_perplexity": KV_PERPLEXITY,
+    "llamacpp": LLAMACPP,
+    "weightquant": WEIGHTQUANT,
+    "cluster": CLUSTER,
+}
 
 
 def section(cfg: dict, name: str) -> dict:
@@ -126,7 +141,7 @@ def section(cfg: dict, name: str) -> dict:
 
 _KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"), (dict, "a mapping"))
 INT_MAX = 2**63 - 1  # torch's largest integer (int64)
-LOWEST = {"seed": 0}  # every other integer setting is a count or a size: at least 1
+LOWEST = {"seed": 0, "cluster.gpus_per_worker": 0}  # every other integer setting is a count or a size: at least 1
 
 
 def check_types(where: str, defaults: dict, given: dict) -> None:

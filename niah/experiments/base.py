@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .. import env
+from ..cluster import worker_name
 from ..rundir import RunDir, open_table
 
 STATUS_REASON_CHARS = 300  # an error message is cut to this many characters in its row
@@ -21,7 +22,8 @@ STATUS_REASON_CHARS = 300  # an error message is cut to this many characters in 
 
 def provenance(cfg: dict, model_name: str) -> dict:
     """The columns every result row starts with: the config, its hash, the model, the seed, the commit, the
-    installed versions and the time the row was written."""
+    installed versions, the time the row was written and the worker that computed it (on a cluster, a Ray
+    actor's name, which the row brings back and which overrides this one)."""
     return {
         "config": cfg["name"],
         "config_hash": cfg["hash"],
@@ -30,6 +32,7 @@ def provenance(cfg: dict, model_name: str) -> dict:
         "git_commit": env.git_commit(),
         "versions": env.versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "worker": worker_name(),
     }
 
 
@@ -85,9 +88,35 @@ class Experiment:
 
     def fail(self, rows: list[dict], status: str, reason) -> None:
         """Write ``rows`` (each a :meth:`row`) as not measured: ``status`` is ``too_long`` or ``oom``."""
-        self.write([{**r, "status": status, "reason": str(reason)[:STATUS_REASON_CHARS]} for r in rows])
+        self.write(not_measured(rows, status, reason))
+
+    def write_from_worker(self, rows: list[dict]) -> None:
+        """Write rows a cluster worker computed (a :class:`Collect`'s), with this run's provenance."""
+        self.write([self.row(**r) for r in rows])
 
     def close(self) -> Path:
         if self.bar is not None:
             self.bar.close()
         return self.path
+
+
+def not_measured(rows: list[dict], status: str, reason) -> list[dict]:
+    """``rows`` marked as not measured, with ``status`` (``too_long`` or ``oom``) and the reason, cut short."""
+    return [{**r, "status": status, "reason": str(reason)[:STATUS_REASON_CHARS]} for r in rows]
+
+
+class Collect:
+    """Where a cluster worker puts one unit's rows: :class:`Experiment`'s ``cfg``, ``row``, ``write`` and ``fail``
+    without a table.  ``row`` holds only the keys; the driver adds the provenance when it writes them."""
+
+    def __init__(self, cfg: dict):
+        self.cfg, self.rows = cfg, []
+
+    def row(self, **keys) -> dict:
+        return dict(keys)
+
+    def write(self, rows: list[dict]) -> None:
+        self.rows.extend(rows)
+
+    def fail(self, rows: list[dict], status: str, reason) -> None:
+        self.write(not_measured(rows, status, reason))

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .. import env
+from ..cluster import Unit, cluster_settings, run_units
 from ..data.haystack import TokenHaystack, haystack_text, tokenize_haystack
 from ..data.needles import INTRO, KEY_WORDS, NOUN, VALUE_KINDS, Trial, needle_text, question_texts
 from ..data.prompts import frame
@@ -42,7 +43,7 @@ from ..kv.cache import PackedCache
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
 from ..schema import section
-from .base import Experiment, too_long_reason
+from .base import Collect, Experiment, too_long_reason
 from .grid import Cell, SharedPrompt, cell_keys, extend_shared
 from .protocol import answer_fields, ask, check_engine_reads, context_states, kv_entries, prefill
 
@@ -196,48 +197,110 @@ def run_battery(
     table: str = "needles",
     tag: dict | None = None,
     label: str = "needle battery",
+    cluster: dict | None = None,
 ) -> Path:
     """Run every missing (question, method) row of the config's battery; return the results table's path.
 
     The keywords serve notebook 01's weights x KV cells: ``settings`` (default :func:`battery_settings`) builds the
     questions, of which only those at ``lengths`` are asked (default: all), through ``methods`` (default: the
     battery's; the reference is always asked first), into results table ``table``, with ``tag`` (e.g.
-    ``{"weights": ...}``) added to every row's keys, under the progress bar's ``label``."""
+    ``{"weights": ...}``) added to every row's keys, under the progress bar's ``label``.  With ``cluster`` (the
+    settings of :func:`~niah.cluster.cluster_settings`), the units go to Ray workers that load the config's own
+    model (so not for a weight-quantized ``lm``), and this process writes their rows as they arrive."""
     s = settings or battery_settings(cfg)
     n = cfg["niah"]
     ref = n["reference"]
     asked = sorted(lengths or s["lengths"])
     exp = Experiment(cfg, table, lm.name, out_path, progress)
-    methods = {m: get_method(m) for m in dict.fromkeys([ref, *(methods or s["methods"])])}
-    for m in methods.values():
-        m.check_head_dim(lm.head_dim)
+    names = list(dict.fromkeys([ref, *(methods or s["methods"])]))
+    for m in names:
+        get_method(m).check_head_dim(lm.head_dim)
     CacheLayout.from_config(lm.model.config).check_context(asked[0], lm.name)
-    check_engine_reads(methods, asked[-1], n["engine_chunk"])
-    style, tag = n["prompt_styles"][0], tag or {}
-    contexts = _at_lengths(s, battery_contexts(cfg, lm, s), set(asked))
-
-    def row(q: Question, method: str) -> dict:
-        return exp.row(**_keys(q), method=method)
-
-    def missing(q: Question) -> list[str]:
-        return exp.missing(methods, **_keys(q))
-
-    def _keys(q: Question) -> dict:
-        cell = cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial))
-        return {**cell, **tag, "context": q.context, "needle_key": q.key}
-
-    todo = sum(len(missing(q)) for _, q in _flat(s, contexts))
-    if not todo:
+    check_engine_reads({m: get_method(m) for m in names}, asked[-1], n["engine_chunk"])
+    plan = Plan(s["mode"], n["prompt_styles"][0], tuple(names), tag or {}, s["sliding_layers"], tuple(asked))
+    units = _units(plan, _at_lengths(s, battery_contexts(cfg, lm, s), set(asked)), lambda q: exp.missing(names, **_keys(cfg, plan, q)))
+    if not units:
         return exp.path
     torch.set_num_threads(cfg["threads"])
-    exp.start(todo, label)
-    how = Asking(methods, ref, missing, row, n["max_new_tokens"], s["sliding_layers"], n["engine_chunk"])
-    if s["mode"] == "single":
-        for prompts in contexts:
-            _run_single_context(exp, lm, prompts, how)
+    exp.start(sum(len(ms) for u in units for ms in u.payload.todo.values()), label)
+    if cluster:
+        run_units(cfg, cluster, units, exp.write_from_worker)
     else:
-        _run_multi_key(exp, lm, contexts, asked, how)
+        for u in units:
+            _run_unit(exp, lm, u.payload)
     return exp.close()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every unit of one battery run shares: its mode, prompt style, methods (reference first), the keys
+    added to every row (``tag``), the sliding-layer rule and the lengths asked."""
+
+    mode: str
+    style: str
+    methods: tuple[str, ...]
+    tag: dict
+    sliding: str
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatteryUnit:
+    """One prefill's worth of a battery: ``prompts`` (single mode: one context's ``(ids, question)`` prompts at one
+    length; multi_key: one ``(ids, questions)`` context) and ``todo``, each question's methods still missing."""
+
+    plan: Plan
+    prompts: list
+    todo: dict
+
+
+def _keys(cfg: dict, plan: Plan, q: Question) -> dict:
+    """The keys of question ``q``'s rows (without ``method``)."""
+    cell = cell_keys(cfg, Cell(plan.style, q.length, round(q.depth, 4), q.trial))
+    return {**cell, **plan.tag, "context": q.context, "needle_key": q.key}
+
+
+def _units(plan: Plan, contexts: list, missing: Callable[[Question], list[str]]) -> list[Unit]:
+    """The units with a question still to ask: single mode one per (context, length), multi_key one per context."""
+    if plan.mode == "single":
+        groups = [[(ids, q) for ids, q in prompts if q.length == L] for prompts in contexts for L in plan.lengths]
+        questions = [[q for _, q in g] for g in groups]
+    else:
+        groups, questions = [[c] for c in contexts], [qs for _, qs in contexts]
+    units = []
+    for g, qs in zip(groups, questions):
+        todo = {q: ms for q in qs if (ms := missing(q))}
+        if todo:
+            size = sum(len(ids) for ids, _ in g) if plan.mode == "single" else len(g[0][0]) * len(todo)
+            name = f"battery context {qs[0].context}" + (f" at {qs[0].length}" if plan.mode == "single" else "")
+            units.append(Unit(name, size, "niah.experiments.battery:battery_unit", BatteryUnit(plan, g, todo)))
+    return units
+
+
+def battery_unit(cfg: dict, lm, unit: BatteryUnit) -> list[dict]:
+    """One unit's rows, computed on a cluster worker (keys and measurements; the driver adds the provenance)."""
+    sink = Collect(cfg)
+    _run_unit(sink, lm, unit)
+    return sink.rows
+
+
+def _run_unit(sink, lm, unit: BatteryUnit) -> None:
+    """Ask one unit's questions; rows go to ``sink`` (an :class:`Experiment` or a :class:`Collect`)."""
+    cfg, plan = sink.cfg, unit.plan
+    n = cfg["niah"]
+    how = Asking(
+        {m: get_method(m) for m in plan.methods},
+        plan.methods[0],
+        lambda q: unit.todo.get(q, []),
+        lambda q, method: sink.row(**_keys(cfg, plan, q), method=method),
+        n["max_new_tokens"],
+        plan.sliding,
+        n["engine_chunk"],
+    )
+    if plan.mode == "single":
+        _run_single_context(sink, lm, unit.prompts, how)
+    else:
+        _run_multi_key(sink, lm, unit.prompts, list(plan.lengths), how)
 
 
 def _at_lengths(s: dict, contexts: list, lengths: set[int]) -> list:
@@ -289,52 +352,53 @@ def _single_prompts(lm, hay, s: dict, rng, kind: str, style: str) -> list[list[t
     return out
 
 
-def _run_single_context(exp: Experiment, lm, prompts: list[tuple[list[int], Question]], how: Asking) -> None:
-    """One context's single-needle prompts, in needle order: the haystack before each needle is prefilled once (and
-    cropped back to after each question), only the needle and the text after it per question."""
-    chunk = exp.cfg["niah"]["prefill_chunk"]
+def _run_single_context(sink, lm, prompts: list[tuple[list[int], Question]], how: Asking) -> None:
+    """One context's single-needle prompts, in needle order, rows to ``sink`` (an :class:`Experiment` or a
+    :class:`Collect`): the haystack before each needle is prefilled once (and cropped back to after each
+    question), only the needle and the text after it per question."""
+    chunk = sink.cfg["niah"]["prefill_chunk"]
     base, base_ids = None, []
     for ids, q in sorted(prompts, key=lambda p: (p[1].position, p[1].length)):
         todo = how.missing(q)
-        if not todo or _too_long(exp, lm, [q], how):
+        if not todo or _too_long(sink, lm, [q], how):
             continue
         try:
             base, base_ids = extend_shared(lm.model, base, base_ids, SharedPrompt(ids, q.position), chunk)
             t0 = time.perf_counter()
             prefill(lm.model, ids[q.position :], base, chunk)
-            exp.write(_ask_all(lm, context_states(base), [q], time.perf_counter() - t0, how))
+            sink.write(_ask_all(lm, context_states(base), [q], time.perf_counter() - t0, how))
             if base.is_croppable:
                 base.crop(q.position - len(ids))
         except (torch.OutOfMemoryError, MemoryError) as err:
-            exp.fail([how.row(q, m) for m in todo], "oom", err)
+            sink.fail([how.row(q, m) for m in todo], "oom", err)
             base, base_ids = None, []
 
 
-def _run_multi_key(exp: Experiment, lm, contexts: list[tuple[list[int], list[Question]]], lengths: list[int], how: Asking) -> None:
+def _run_multi_key(sink, lm, contexts: list[tuple[list[int], list[Question]]], lengths: list[int], how: Asking) -> None:
     """Each multi-key context is prefilled once, in order; its state is taken out as the prefill passes each length."""
-    missing, chunk = how.missing, exp.cfg["niah"]["prefill_chunk"]
+    missing, chunk = how.missing, sink.cfg["niah"]["prefill_chunk"]
     for ids, questions in contexts:
         cache, done, prefill_s = None, 0, 0.0
         for L in lengths:
             qs = [q for q in questions if q.length == L and missing(q)]
-            if not qs or _too_long(exp, lm, qs, how):
+            if not qs or _too_long(sink, lm, qs, how):
                 continue
             try:
                 t0 = time.perf_counter()
                 cache = prefill(lm.model, ids[done:L], cache, chunk)
                 prefill_s, done = prefill_s + time.perf_counter() - t0, L
-                exp.write(_ask_all(lm, context_states(cache), qs, prefill_s, how))
+                sink.write(_ask_all(lm, context_states(cache), qs, prefill_s, how))
             except (torch.OutOfMemoryError, MemoryError) as err:
-                exp.fail([how.row(q, m) for q in qs for m in missing(q)], "oom", err)
+                sink.fail([how.row(q, m) for q in qs for m in missing(q)], "oom", err)
                 break
 
 
-def _too_long(exp: Experiment, lm, qs: list[Question], how: Asking) -> bool:
+def _too_long(sink, lm, qs: list[Question], how: Asking) -> bool:
     """Write too_long rows for ``qs`` (and say True) when their context, question and answer exceed the model's limit."""
     q = max(qs, key=lambda q: len(q.question_ids) + max(len(q.answer_ids), how.max_new))  # the longest of the prompts
-    reason = too_long_reason(exp.cfg, lm, q.length + len(q.question_ids), len(q.answer_ids))
+    reason = too_long_reason(sink.cfg, lm, q.length + len(q.question_ids), len(q.answer_ids))
     if reason:
-        exp.fail([how.row(q, m) for q in qs for m in how.missing(q)], "too_long", reason)
+        sink.fail([how.row(q, m) for q in qs for m in how.missing(q)], "too_long", reason)
     return bool(reason)
 
 
@@ -375,7 +439,10 @@ def _ask_all(lm, states, qs: list[Question], prefill_s: float, how: Asking) -> l
 
 
 def run_needles(cfg: dict, lm, out_path: Path | None = None, progress: bool = True) -> Path:
-    """Notebook 03's needle rows: the battery where the config has a ``battery:`` section, else the grid."""
+    """Notebook 03's needle rows: the battery where the config has a ``battery:`` section (on its cluster where it
+    has one), else the grid."""
     from .grid import run_grid
 
-    return (run_battery if cfg["battery"] else run_grid)(cfg, lm, out_path, progress)
+    if cfg["battery"]:
+        return run_battery(cfg, lm, out_path, progress, cluster=cluster_settings(cfg))
+    return run_grid(cfg, lm, out_path, progress)

@@ -1,0 +1,172 @@
+"""Scale one config's independent cells out on Ray, with the driver as the only writer of its results tables.
+
+A config with a ``cluster:`` section (or a run given ``--cluster ADDRESS``, which sets :data:`ENV`) hands its
+units of work to Ray actors: a battery unit is one (context, length) of single-needle prompts, or one multi-key
+context, each sharing one prefill; a perplexity-through-the-cache unit is one window.  Each actor loads the
+config's model once.  The driver plans the units from the rows still missing, sends the longest first, and
+appends each unit's rows as they come back through ``ray.wait``, so the table's resume, lock and settings hash
+work as in one process.  A unit whose worker dies is sent once more, to another worker; a killed driver
+reruns, on resume, only the units whose rows it had not written.
+
+Ray is an optional extra (``pip install -e .[ray]``) and is imported only here, only when a cluster is asked
+for.  Ray 2.54 dropped local mode, so a machine without a cluster gets a real local one (``ray.init``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .schema import ConfigError, section
+
+ENV = "NIAH_CLUSTER"  # a cluster address for every run of this process and its notebooks: local, auto or ray://host:port
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not run a unit: Ray is missing, unreachable, or every worker able to take it has died."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of work: ``work`` (``module:function``, called on a worker as ``function(cfg, lm, payload)`` and
+    returning rows without provenance), its ``payload``, a ``name`` for messages and a ``size`` (tokens to
+    process; the largest are sent first)."""
+
+    name: str
+    size: int
+    work: str
+    payload: Any
+
+
+def cluster_settings(cfg: dict) -> dict | None:
+    """The config's ``cluster:`` section over its defaults, with :data:`ENV`'s address where set (``local``: a
+    cluster started on this machine); None when neither asks for a cluster."""
+    given = os.environ.get(ENV, "").strip()
+    if not cfg.get("cluster") and not given:
+        return None
+    s = section(cfg, "cluster")
+    if given:
+        s["address"] = given
+    if s["address"] in ("", "local"):
+        s["address"] = None
+    if s["engine"] != "ray":
+        raise ConfigError(f"cluster.engine {s['engine']!r} is unknown: the only engine is ray")
+    return s
+
+
+def worker_name() -> str:
+    """The name a single-process row records as its ``worker``: host and process id."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("the config asks for a cluster, but Ray is not installed: pip install -e '.[ray]'") from None
+    return ray
+
+
+class _Worker:
+    """A Ray actor holding one copy of the config's model (loaded on its first unit)."""
+
+    def __init__(self, cfg: dict, threads: int, name: str):
+        import torch
+
+        self.cfg, self.name, self.lm = cfg, name, None
+        torch.set_num_threads(threads)
+
+    def run(self, unit: Unit) -> list[dict]:
+        from .models import load_model
+
+        if self.lm is None:
+            self.lm = load_model(self.cfg["model"], device=self.cfg["device"])
+        module, function = unit.work.split(":")
+        rows = getattr(importlib.import_module(module), function)(self.cfg, self.lm, unit.payload)
+        return [{**r, "worker": self.name} for r in rows]
+
+
+class Pool:
+    """``workers`` Ray actors for one config, on the cluster at ``address`` (None: a local one started here and
+    stopped on :meth:`close`).  Use as a context manager."""
+
+    def __init__(self, cfg: dict, s: dict):
+        ray = self.ray = _ray()
+        self.started = not ray.is_initialized()
+        if self.started:
+            try:
+                if s["address"]:
+                    ray.init(address=s["address"], logging_level="ERROR", log_to_driver=False)
+                else:
+                    ray.init(
+                        num_cpus=s["workers"] * s["cpus_per_worker"],
+                        num_gpus=s["workers"] * s["gpus_per_worker"],
+                        include_dashboard=False,
+                        logging_level="ERROR",
+                        log_to_driver=False,
+                    )
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                raise ClusterError(f"could not reach the Ray cluster at {s['address'] or 'a new local cluster'}: {err}") from None
+        actor = ray.remote(_Worker)
+        host = socket.gethostname()
+        self.actors = [
+            actor.options(
+                name=f"niah-worker-{i}",
+                num_cpus=s["cpus_per_worker"],
+                num_gpus=s["gpus_per_worker"],
+                max_restarts=0,
+                max_task_retries=0,
+            ).remote(cfg, s["cpus_per_worker"], f"{host}/ray-worker-{i}")
+            for i in range(s["workers"])
+        ]
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for a in self.actors:
+            self.ray.kill(a)
+        self.actors = []
+        if self.started:
+            self.ray.shutdown()
+
+    def run(self, units: list[Unit]) -> Iterator[list[dict]]:
+        """Each unit's rows, in the order they finish; the largest units are sent first, one per idle worker.  A
+        unit whose worker died goes to another worker once; a second death raises :class:`ClusterError`."""
+        ray = self.ray
+        queue = sorted(units, key=lambda u: -u.size)
+        idle, pending, deaths = list(self.actors), {}, {}
+        while queue or pending:
+            while queue and idle:
+                unit, worker = queue.pop(0), idle.pop(0)
+                pending[worker.run.remote(unit)] = (unit, worker)
+            if not pending:
+                raise ClusterError(f"every worker has died; {len(queue)} units were not run (rerun to resume)")
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            unit, worker = pending.pop(ref)
+            try:
+                rows = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self.actors.remove(worker)
+                deaths[unit.name] = deaths.get(unit.name, 0) + 1
+                if deaths[unit.name] > 1:
+                    raise ClusterError(f"{unit.name}: its worker died twice (last: {str(err).splitlines()[0]}); rerun to resume") from None
+                queue.insert(0, unit)
+                continue
+            idle.append(worker)
+            yield rows
+
+
+def run_units(cfg: dict, s: dict, units: list[Unit], write: Callable[[list[dict]], None]) -> None:
+    """Run ``units`` on a :class:`Pool` for ``cfg`` (cluster settings ``s``) and ``write`` each unit's rows as
+    they arrive (the driver's table is the only writer)."""
+    with Pool(cfg, s) as pool:
+        for rows in pool.run(units):
+            write(rows)
