@@ -431,3 +431,21 @@ def test_rows_of_a_method_dropped_from_the_config_stay_in_the_file_but_out_of_ta
     with pytest.warns(UserWarning, match="1 rows of methods or lengths this config no longer selects left out"):
         assert list(load_table(fewer, "needles", path)["method"]) == ["fp16", "q8_0"]
     assert len(read_rows(path)) == 3
+
+
+@pytest.mark.parametrize(
+    "cluster, says",
+    [
+        ({"engine": "spark"}, "the only engine is ray"),
+        ({"workers": 0}, "cluster.workers must be an integer"),
+        ({"nodes": 2}, "unknown cluster"),
+    ],
+)
+def test_a_bad_cluster_section_fails_at_load(smoke_cfg, cluster, says):
+    with pytest.raises(ConfigError, match=says):
+        validate(_raw(smoke_cfg, cluster=cluster))
+
+
+def test_the_cluster_section_changes_no_hash(smoke_cfg):
+    on = validate(_raw(smoke_cfg, cluster={"workers": 4, "gpus_per_worker": 0}))
+    assert on["hash"] == smoke_cfg["hash"] and settings_hash(on, "needles") == settings_hash(smoke_cfg, "needles")
