@@ -1,9 +1,9 @@
 """Scale one config's independent cells out on Ray, with the driver as the only writer of its results tables.
 
 A config with a ``cluster:`` section (or a run given ``--cluster ADDRESS``, which sets :data:`ENV`) hands its
-units of work to Ray actors: a battery unit is one (context, length) of single-needle prompts, or one multi-key
-context, each sharing one prefill; a perplexity-through-the-cache unit is one window.  Each actor loads the
-config's model once.  The driver plans the units from the rows still missing, sends the longest first, and
+units of work to Ray actors.  Only the needle battery runs there so far: a unit is one (context, length) of
+single-needle prompts, or one multi-key context, each sharing one prefill.  Each actor loads the config's model
+once.  The driver plans the units from the rows still missing, sends the longest first, and
 appends each unit's rows as they come back through ``ray.wait``, so the table's resume, lock and settings hash
 work as in one process.  A unit whose worker dies is sent once more, to another worker; a killed driver
 reruns, on resume, only the units whose rows it had not written.
@@ -155,8 +155,8 @@ class Pool:
                 rows = ray.get(ref)
             except ray.exceptions.RayActorError as err:
                 self.actors.remove(worker)
-                deaths[unit.name] = deaths.get(unit.name, 0) + 1
-                if deaths[unit.name] > 1:
+                deaths[id(unit)] = deaths.get(id(unit), 0) + 1
+                if deaths[id(unit)] > 1:
                     raise ClusterError(f"{unit.name}: its worker died twice (last: {str(err).splitlines()[0]}); rerun to resume") from None
                 queue.insert(0, unit)
                 continue

@@ -213,10 +213,11 @@ def run_battery(
     asked = sorted(lengths or s["lengths"])
     exp = Experiment(cfg, table, lm.name, out_path, progress)
     names = list(dict.fromkeys([ref, *(methods or s["methods"])]))
-    for m in names:
-        get_method(m).check_head_dim(lm.head_dim)
+    chosen = {m: get_method(m) for m in names}
+    for m in chosen.values():
+        m.check_head_dim(lm.head_dim)
     CacheLayout.from_config(lm.model.config).check_context(asked[0], lm.name)
-    check_engine_reads({m: get_method(m) for m in names}, asked[-1], n["engine_chunk"])
+    check_engine_reads(chosen, asked[-1], n["engine_chunk"])
     plan = Plan(s["mode"], n["prompt_styles"][0], tuple(names), tag or {}, s["sliding_layers"], tuple(asked))
     units = _units(plan, _at_lengths(s, battery_contexts(cfg, lm, s), set(asked)), lambda q: exp.missing(names, **_keys(cfg, plan, q)))
     if not units:
@@ -272,7 +273,7 @@ def _units(plan: Plan, contexts: list, missing: Callable[[Question], list[str]])
         todo = {q: ms for q in qs if (ms := missing(q))}
         if todo:
             size = sum(len(ids) for ids, _ in g) if plan.mode == "single" else len(g[0][0]) * len(todo)
-            name = f"battery context {qs[0].context}" + (f" at {qs[0].length}" if plan.mode == "single" else "")
+            name = f"battery context {qs[0].context} at {sorted({q.length for q in qs})}"
             units.append(Unit(name, size, "niah.experiments.battery:battery_unit", BatteryUnit(plan, g, todo)))
     return units
 
