@@ -1,4 +1,5 @@
-"""The battery on a local 2-CPU Ray cluster: the same rows as one process, a worker killed mid-run, a killed driver resumed."""
+"""The battery, the sweep and perplexity through the cache on a local 2-CPU Ray cluster: the same rows as one
+process, a worker killed mid-run, a killed driver resumed."""
 
 import json
 import os
@@ -11,12 +12,14 @@ import pytest
 
 from niah.config import ROOT, load_config
 from niah.experiments.battery import run_battery
+from niah.experiments.kvppl import run_kv_perplexity
+from niah.experiments.sweep import run_sweep
 from niah.models import load_model
 
 ray = pytest.importorskip("ray")
 
 CLUSTER = {"engine": "ray", "address": None, "workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}
-TIMING = ("time", "worker")
+TIMING = ("time", "worker", "peak_memory_bytes", "trace_t", "trace_bytes")  # and every key *_s, *_per_token, tpot_*
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +44,9 @@ def _key(r):
 
 
 def _measured(r):
-    """A row without what may differ between runs: timings (``*_s``, ``*_s_per_token``), the time and the worker."""
-    return {k: v for k, v in r.items() if k not in TIMING and not k.endswith("_s") and not k.endswith("_per_token")}
+    """A row without what may differ between runs: timings (``*_s``, ``*_per_token``, ``tpot*``), memory
+    readings of the process, the time and the worker."""
+    return {k: v for k, v in r.items() if k not in TIMING and not k.endswith(("_s", "_per_token")) and not k.startswith("tpot")}
 
 
 def test_cluster_rows_equal_one_process(local_cluster, smoke, tmp_path):
@@ -54,6 +58,17 @@ def test_cluster_rows_equal_one_process(local_cluster, smoke, tmp_path):
     assert all(_measured(a[k]) == _measured(b[k]) for k in a)
     assert {r["worker"].split("/")[-1] for r in b.values()} <= {"ray-worker-0", "ray-worker-1"}
     assert all(r["status"] == "ok" for r in b.values())
+
+
+@pytest.mark.parametrize("run, key", [(run_sweep, ("length", "method")), (run_kv_perplexity, ("window", "method"))])
+def test_sweep_and_perplexity_rows_equal_one_process(local_cluster, smoke, tmp_path, run, key):
+    cfg, lm = smoke
+    one = run(cfg, lm, tmp_path / "one.jsonl", progress=False)
+    many = run({**cfg, "cluster": CLUSTER}, lm, tmp_path / "many.jsonl", progress=False)
+    a, b = ({tuple(r[k] for k in key): r for r in _rows(p)} for p in (one, many))
+    assert len(a) == len(_rows(one)) == len(_rows(many)) > 6 and a.keys() == b.keys()
+    assert all(_measured(a[k]) == _measured(b[k]) for k in a)
+    assert {r["worker"].split("/")[-1] for r in b.values()} == {"ray-worker-0", "ray-worker-1"}
 
 
 def test_unit_of_a_killed_worker_runs_once_on_another(local_cluster, smoke, tmp_path, monkeypatch):
@@ -82,6 +97,8 @@ DRIVER = textwrap.dedent(
     from niah.config import load_config
     from niah.experiments.base import Experiment
     from niah.experiments.battery import run_battery
+from niah.experiments.kvppl import run_kv_perplexity
+from niah.experiments.sweep import run_sweep
     from niah.models import load_model
 
     write = Experiment.write_from_worker

@@ -9,24 +9,27 @@ in full precision).  Its ``continuation - 1`` in-pass predictions are scored: ea
 quantized tokens.  Against the reference method (fp16) the paired figures are the perplexity ratio, with a
 bootstrap interval over windows, and KL divergence and top-1 agreement of the next-token distributions.
 
-Rows are keyed by (config, model, method, window); a killed run resumes where it stopped.
+Rows are keyed by (config, model, method, window); a killed run resumes where it stopped.  On a cluster
+(:mod:`niah.cluster`) a window is one unit of work.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from ..cluster import Unit, cluster_settings, run_units
 from ..config import ConfigError
 from ..kv.cache import PackedCache
 from ..kv.layout import FULL, SLIDING
 from ..kv.registry import get_method, with_modifier
 from ..schema import section
-from .base import Experiment
+from .base import Collect, Experiment
 from .protocol import check_engine_reads, compare_logits, context_states, kv_entries, prefill, read_prompt
 
 BOOTSTRAP = 2000  # resamples of the windows for the interval of perplexity_table
@@ -67,9 +70,22 @@ def kv_perplexity_settings(cfg: dict) -> dict:
     return s
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class Window:
+    """One unit of perplexity through the cache: window ``index``, its ``ids`` (context then continuation), the
+    ``methods`` to score on it (the reference first: its log-probs are the paired figures' reference) and
+    ``todo``, those whose rows are still missing."""
+
+    index: int
+    ids: list[int]
+    methods: tuple[str, ...]
+    todo: tuple[str, ...]
+
+
 def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
-    """Score every missing (method, window) row of the config's ``kv_perplexity`` section; return the table's path."""
+    """Score every missing (method, window) row of the config's ``kv_perplexity`` section; return the table's path.
+    With a cluster (:func:`~niah.cluster.cluster_settings`), each window is a unit on a Ray worker and this
+    process writes their rows as they arrive."""
     from ..weightquant.data import split_text, token_windows
     from ..weightquant.settings import settings as wq_settings
 
@@ -80,33 +96,51 @@ def run_kv_perplexity(cfg: dict, lm, out_path: Path, progress: bool = True) -> P
             f"kv_perplexity: context + continuation = {tokens} tokens exceeds the model's limit of "
             f"{lm.max_context}; lower kv_perplexity.context or kv_perplexity.continuation"
         )
-    methods = {m: get_method(m) for m in s["methods"]}
-    for m in methods.values():
-        m.check_head_dim(lm.head_dim)
-    check_engine_reads(methods, s["context"], cfg["niah"]["engine_chunk"])
+    for m in s["methods"]:
+        get_method(m).check_head_dim(lm.head_dim)
+    check_engine_reads({m: get_method(m) for m in s["methods"]}, s["context"], cfg["niah"]["engine_chunk"])
     exp = Experiment(cfg, "kv_perplexity", lm.name, out_path, progress)
-    todo = {w: exp.missing(methods, window=w) for w in range(s["windows"])}
-    if not any(todo.values()):
+    todo = {w: names for w in range(s["windows"]) if (names := exp.missing(s["methods"], window=w))}
+    if not todo:
         return exp.path
     torch.set_num_threads(cfg["threads"])
     text = split_text("evaluation", wq_settings(cfg)["calibration_share"])
     windows = token_windows(lm.tokenizer, text, s["windows"], tokens)
-    ref = s["methods"][0]
-    exp.start(sum(map(len, todo.values())), "KV perplexity")
-    for w, names in todo.items():
-        if not names:
-            continue
-        ids = windows[w].tolist()
-        kv = context_states(prefill(lm.model, ids[: s["context"]], chunk=cfg["niah"]["prefill_chunk"]))
-        ref_logsm = None
-        for name in [ref] + [m for m in names if m != ref]:
-            row, logsm = _score(lm, kv, methods[name], ids[s["context"] :], cfg["niah"]["engine_chunk"])
-            if name == ref:
-                ref_logsm = logsm
-            row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
-            if name in names:
-                exp.write([{**exp.row(method=name, window=w, context=s["context"], continuation=s["continuation"]), "status": "ok", **row}])
+    units = [Window(w, windows[w].tolist(), tuple(dict.fromkeys([s["methods"][0], *names])), tuple(names)) for w, names in todo.items()]
+    exp.start(sum(len(u.todo) for u in units), "KV perplexity")
+    cluster = cluster_settings(cfg)
+    if cluster:
+        work = [Unit(f"kv_perplexity window {u.index}", tokens * len(u.methods), "niah.experiments.kvppl:window_unit", u) for u in units]
+        run_units(cfg, cluster, work, exp.write_from_worker)
+    else:
+        for u in units:
+            _score_window(exp, lm, u)
     return exp.close()
+
+
+def window_unit(cfg: dict, lm, unit: Window) -> list[dict]:
+    """One window's rows, computed on a cluster worker (keys and measurements; the driver adds the provenance)."""
+    sink = Collect(cfg)
+    _score_window(sink, lm, unit)
+    return sink.rows
+
+
+@torch.no_grad()
+def _score_window(sink, lm, unit: Window) -> None:
+    """Prefill one window's context once and score each of its methods; rows go to ``sink`` (an
+    :class:`~niah.experiments.base.Experiment` or a :class:`~niah.experiments.base.Collect`)."""
+    cfg = sink.cfg
+    s = kv_perplexity_settings(cfg)
+    ids = unit.ids
+    kv = context_states(prefill(lm.model, ids[: s["context"]], chunk=cfg["niah"]["prefill_chunk"]))
+    ref_logsm = None
+    for name in unit.methods:
+        row, logsm = _score(lm, kv, get_method(name), ids[s["context"] :], cfg["niah"]["engine_chunk"])
+        ref_logsm = logsm if ref_logsm is None else ref_logsm
+        row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
+        if name in unit.todo:
+            keys = sink.row(method=name, window=unit.index, context=s["context"], continuation=s["continuation"])
+            sink.write([{**keys, "status": "ok", **row}])
 
 
 def _score(lm, kv, method, continuation: list[int], engine_chunk: int) -> tuple[dict, torch.Tensor]:

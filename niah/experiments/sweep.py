@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import env
+from ..cluster import Unit, cluster_settings, run_units
 from ..data.haystack import haystack_text, tokenize_haystack
 from ..data.needles import NeedleSpec, make_trial, needle_text
 from ..data.prompts import build_cell
@@ -38,7 +39,7 @@ from ..kv.cache import PackedCache, fused_decoding, warm_up
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
 from ..schema import section
-from .base import Experiment
+from .base import Collect, Experiment
 from .protocol import ask, compare_logits, context_states, kv_entries, prefill
 from .scoring import string_match_all
 from .telemetry import MemorySampler
@@ -111,20 +112,44 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
-    """Run every missing (method, length) row of the config's sweep; return the table's path."""
+    """Run every missing (method, length) row of the config's sweep; return the table's path.  With a cluster
+    (:func:`~niah.cluster.cluster_settings`), each (length, method) is a unit on a Ray worker, which prefills
+    step by step up to its length and pairs its TPOT with the reference's; this process writes the rows."""
     s = sweep_settings(cfg)
     exp = Experiment(cfg, "sweep", lm.name, out_path, progress)
-    methods = {m: get_method(m) for m in s["methods"]}
-    ref = cfg["niah"]["reference"]
-
-    def missing(length):
-        return exp.missing(methods, length=length)
-
     lengths = sorted(s["lengths"])
-    if not any(missing(L) for L in lengths):
+    CacheLayout.from_config(lm.model.config).check_context(lengths[0], lm.name)
+    todo = {L: names for L in lengths if (names := exp.missing(s["methods"], length=L))}
+    if not todo:
         return exp.path
-    torch.set_num_threads(cfg["threads"])
-    longest = lengths[-1]
+    exp.start(sum(map(len, todo.values())), "pressure sweep")
+    cluster = cluster_settings(cfg)
+    if cluster:
+        units = [Unit(f"sweep {m} at {L}", L, "niah.experiments.sweep:sweep_unit", {L: [m]}) for L, names in todo.items() for m in names]
+        run_units(cfg, cluster, units, exp.write_from_worker)
+    else:
+        torch.set_num_threads(cfg["threads"])
+        _run_steps(exp, lm, todo)
+    return exp.close()
+
+
+def sweep_unit(cfg: dict, lm, todo: dict[int, list[str]]) -> list[dict]:
+    """One unit's rows, computed on a cluster worker (keys and measurements; the driver adds the provenance)."""
+    sink = Collect(cfg)
+    _run_steps(sink, lm, todo)
+    return sink.rows
+
+
+def _run_steps(sink, lm, todo: dict[int, list[str]]) -> None:
+    """Prefill the sweep's context step by step up to the longest length in ``todo`` (length -> methods still
+    missing) and measure those methods, with the reference, at their lengths; rows go to ``sink`` (an
+    :class:`~niah.experiments.base.Experiment` or a :class:`~niah.experiments.base.Collect`)."""
+    cfg = sink.cfg
+    s = sweep_settings(cfg)
+    ref = cfg["niah"]["reference"]
+    longest = max(s["lengths"])  # every step's context is a prefix of the longest step's, on every worker
+    lengths = [L for L in sorted(s["lengths"]) if L <= max(todo)]
+    methods = {m: get_method(m) for m in dict.fromkeys([ref, *(m for ms in todo.values() for m in ms)])}
     hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, longest)
     trial = make_trial(NeedleSpec(**{**cfg["niah"]["needle"], "variant": "single"}), random.Random(f"{cfg['seed']}/sweep"))
     cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")
@@ -133,16 +158,14 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
     for m in methods.values():  # compile the fused kernels before anything is timed
         warm_up(m, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
     layout = CacheLayout.from_config(lm.model.config)
-    layout.check_context(lengths[0], lm.name)
     cache, done_tokens, ttft = None, 0, 0.0
-    exp.start(sum(len(missing(L)) for L in lengths), "pressure sweep")
     for L in lengths:
-        todo = missing(L)
+        names = todo.get(L, [])
         budget = s["memory_budget_gib"]
         fp32_bytes = 4 * sum(layout.kv_values(L).values())  # sliding layers keep only their window
         if budget is not None and fp32_bytes > budget * 2**30:
             reason = f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB"
-            exp.fail([exp.row(method=m, length=L) for m in todo], "oom", reason)
+            sink.fail([sink.row(method=m, length=L) for m in names], "oom", reason)
             continue
         try:
             t0 = time.perf_counter()
@@ -150,38 +173,41 @@ def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
             ttft += time.perf_counter() - t0
             done_tokens = L
         except (torch.OutOfMemoryError, MemoryError) as err:
-            exp.fail([exp.row(method=m, length=L) for m in todo], "oom", err)
+            sink.fail([sink.row(method=m, length=L) for m in names], "oom", err)
             break
-        if not todo:
-            continue
-        kv = context_states(cache)
-        probe = L >= probe_from
-        answers, firsts, rows = {}, {}, {}
-        for name in [ref] + [m for m in todo if m != ref]:
-            row = exp.row(method=name, length=L)
-            try:
-                row.update(_measure(lm, kv, methods[name], cell, probe, s, cuda))
-            except (torch.OutOfMemoryError, MemoryError) as err:
-                if name in todo:
-                    exp.fail([row], "oom", err)
-                continue
-            answers[name], firsts[name] = row.pop("_answer"), row.pop("_first")
-            if probe and ref in answers:
-                row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(answers[ref].answer_logsoftmax, answers[name].answer_logsoftmax)
-                row["score"] = string_match_all(row["generated"], cell.expected)
-            row["ttft_s"] = ttft + row["quantize_s"]
-            row["prefill_s"] = ttft
-            rows[name] = row
+        if names:
+            step = {n: methods[n] for n in [ref, *names]}
+            sink.write(_step_rows(sink, lm, context_states(cache), L, step, names, cell, L >= probe_from, ttft, cuda))
+
+
+def _step_rows(sink, lm, kv, L: int, methods: dict, names: list[str], cell, probe: bool, ttft: float, cuda: bool) -> list[dict]:
+    """The rows of ``names`` at the step of length ``L``, whose context is ``kv``: each of ``methods`` (the reference first) is
+    stored, probed and decoded, then all are decoded together for the paired TPOT."""
+    s = sweep_settings(sink.cfg)
+    ref = next(iter(methods))
+    answers, firsts, rows = {}, {}, {}
+    for name, method in methods.items():
+        row = sink.row(method=name, length=L)
         try:
-            paired = _paired_tpot(lm, kv, {n: methods[n] for n in rows}, firsts, s["decode_steps"], ref) if ref in rows else {}
+            row.update(_measure(lm, kv, method, cell, probe, s, cuda))
         except (torch.OutOfMemoryError, MemoryError) as err:
-            rows = {
-                n: {**row, "status": "oom", "reason": f"paired decode of {len(rows)} caches at once: {str(err)[:250]}"}
-                for n, row in rows.items()
-            }
-            paired = {}
-        exp.write([{**rows[name], **paired.get(name, {})} for name in rows if name in todo])
-    return exp.close()
+            if name in names:
+                sink.fail([row], "oom", err)
+            continue
+        answers[name], firsts[name] = row.pop("_answer"), row.pop("_first")
+        if probe and ref in answers:
+            row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(answers[ref].answer_logsoftmax, answers[name].answer_logsoftmax)
+            row["score"] = string_match_all(row["generated"], cell.expected)
+        row["ttft_s"] = ttft + row["quantize_s"]
+        row["prefill_s"] = ttft
+        rows[name] = row
+    try:
+        paired = _paired_tpot(lm, kv, {n: methods[n] for n in rows}, firsts, s["decode_steps"], ref) if ref in rows else {}
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        reason = f"paired decode of {len(rows)} caches at once: {str(err)[:250]}"
+        rows = {n: {**row, "status": "oom", "reason": reason} for n, row in rows.items()}
+        paired = {}
+    return [{**rows[name], **paired.get(name, {})} for name in rows if name in names]
 
 
 def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
