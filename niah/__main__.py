@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("repair", help="keep the intact rows of a damaged results file and move the rest aside")
     p.add_argument("path")
     p = sub.add_parser("bench", help="speed benchmarks, printed as ratios measured in one run")
-    p.add_argument("what", choices=["kv"], help="kv: KV codecs, decode attention, transformers' QuantizedCache")
+    p.add_argument(
+        "what",
+        choices=["kv", "cluster"],
+        help="kv: KV codecs, decode attention, transformers' QuantizedCache; cluster: the Ray path's ratios",
+    )
     p.add_argument("--methods", nargs="*", help="KV methods (default: every registered one)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--threads", type=int, default=1)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(check(args.config), indent=1))
         elif args.cmd == "bench":
-            _bench_kv(args)
+            _bench_cluster() if args.what == "cluster" else _bench_kv(args)
         elif args.cmd == "summary":
             _summary(args.config, args.write)
         elif args.cmd == "repair":
@@ -154,6 +158,15 @@ def _bench_kv(args) -> None:
         ids = tokenize_haystack(haystack_text("pydoc"), lm.tokenizer, args.hf_context).ids[: args.hf_context]
         print(f"\n# transformers' caches on {lm.name}, {args.hf_context}-token context, decode ms/token")
         print(bench.hf_quantized_cache(lm, ids).round(2).to_string(index=False))
+
+
+def _bench_cluster() -> None:
+    from .experiments import clusterbench
+
+    print("# 2 Ray workers x 1 thread against 1 process x 2 threads (model loads in the workers included)")
+    print(json.dumps(clusterbench.workers_vs_threads(), indent=1))
+    print("# scheduling overhead per unit: empty units on 2 warm workers, against a smoke battery unit in one process")
+    print(json.dumps(clusterbench.unit_overhead(), indent=1))
 
 
 if __name__ == "__main__":

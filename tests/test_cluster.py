@@ -97,8 +97,6 @@ DRIVER = textwrap.dedent(
     from niah.config import load_config
     from niah.experiments.base import Experiment
     from niah.experiments.battery import run_battery
-from niah.experiments.kvppl import run_kv_perplexity
-from niah.experiments.sweep import run_sweep
     from niah.models import load_model
 
     write = Experiment.write_from_worker
@@ -124,3 +122,14 @@ def test_killed_driver_resumes_with_no_row_lost_or_doubled(local_cluster, smoke,
     run_battery(cfg, lm, path, progress=False, cluster=CLUSTER)
     counts = Counter(_key(r) for r in _rows(path))
     assert len(counts) == 32 and set(counts.values()) == {1}
+
+
+def test_many_small_units_each_come_back_once(local_cluster, smoke):
+    from niah.cluster import Pool, Unit
+
+    cfg, _ = smoke
+    with Pool(cfg, CLUSTER) as pool:
+        units = [Unit(f"empty {i}", i, "niah.experiments.clusterbench:noop", i) for i in range(120)]
+        done = [row for rows in pool.run(units) for row in rows]
+    assert sorted(r["payload"] for r in done) == list(range(120))
+    assert {r["worker"].split("/")[-1] for r in done} == {"ray-worker-0", "ray-worker-1"}
