@@ -1,9 +1,10 @@
 """Scale one config's independent cells out on Ray, with the driver as the only writer of its results tables.
 
 A config with a ``cluster:`` section (or a run given ``--cluster ADDRESS``, which sets :data:`ENV`) hands its
-units of work to Ray actors.  Only the needle battery runs there so far: a unit is one (context, length) of
-single-needle prompts, or one multi-key context, each sharing one prefill.  Each actor loads the config's model
-once.  The driver plans the units from the rows still missing, sends the longest first, and
+units of work to Ray actors: the needle battery (a unit is one (context, length) of single-needle prompts, or one
+multi-key context, each sharing one prefill), perplexity through the cache (a window) and the sweep (a length
+and method).  Each actor loads the config's model once, on one GPU, on CPU threads, or spread over
+``gpus_per_worker`` GPUs.  The driver plans the units from the rows still missing, sends the longest first, and
 appends each unit's rows as they come back through ``ray.wait``, so the table's resume, lock and settings hash
 work as in one process.  A unit whose worker dies is sent once more, to another worker; a killed driver
 reruns, on resume, only the units whose rows it had not written.
@@ -55,6 +56,11 @@ def cluster_settings(cfg: dict) -> dict | None:
         s["address"] = None
     if s["engine"] != "ray":
         raise ConfigError(f"cluster.engine {s['engine']!r} is unknown: the only engine is ray")
+    if s["gpus_per_worker"] > 1 and not str(cfg.get("device", "cpu")).startswith("cuda"):
+        raise ConfigError(
+            f"cluster.gpus_per_worker {s['gpus_per_worker']} spreads one model over several GPUs, which needs "
+            f"device: cuda (this config has device: {cfg.get('device', 'cpu')}); set gpus_per_worker to 0 or 1"
+        )
     return s
 
 
@@ -74,17 +80,17 @@ def _ray():
 class _Worker:
     """A Ray actor holding one copy of the config's model (loaded on its first unit)."""
 
-    def __init__(self, cfg: dict, threads: int, name: str):
+    def __init__(self, cfg: dict, threads: int, gpus: int, name: str):
         import torch
 
-        self.cfg, self.name, self.lm = cfg, name, None
+        self.cfg, self.gpus, self.name, self.lm = cfg, max(1, gpus), name, None
         torch.set_num_threads(threads)
 
     def run(self, unit: Unit) -> list[dict]:
         from .models import load_model
 
-        if self.lm is None:
-            self.lm = load_model(self.cfg["model"], device=self.cfg["device"])
+        if self.lm is None:  # Ray gives the actor its own GPUs only (CUDA_VISIBLE_DEVICES), so they are 0..gpus-1
+            self.lm = load_model(self.cfg["model"], device=self.cfg["device"], gpus=self.gpus)
         module, function = unit.work.split(":")
         rows = getattr(importlib.import_module(module), function)(self.cfg, self.lm, unit.payload)
         return [{**r, "worker": self.name} for r in rows]
@@ -120,7 +126,7 @@ class Pool:
                 num_gpus=s["gpus_per_worker"],
                 max_restarts=0,
                 max_task_retries=0,
-            ).remote(cfg, s["cpus_per_worker"], f"{host}/ray-worker-{i}")
+            ).remote(cfg, s["cpus_per_worker"], s["gpus_per_worker"], f"{host}/ray-worker-{i}")
             for i in range(s["workers"])
         ]
 

@@ -214,6 +214,25 @@ def _where(spec: dict) -> tuple[str | Path, str, dict]:
     raise ModelUnavailable(f"unknown model source {source!r}: use package, assembled, local, hub or random")
 
 
+def spread_map(model: torch.nn.Module, gpus: int, budget: int | None = None) -> dict[str, int]:
+    """Which of CUDA devices ``0..gpus-1`` holds each module of ``model`` when one model is spread over them:
+    accelerate's balanced map, each decoder layer whole and tied weights together.  ``budget``: bytes allowed per
+    GPU (default: each device's free memory); ``model`` may live on the meta device."""
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    room = {i: budget if budget is not None else torch.cuda.mem_get_info(i)[0] for i in range(gpus)}
+    whole = model._no_split_modules
+    balanced = get_balanced_memory(model, max_memory=room, no_split_module_classes=whole)
+    placement = dict(infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=whole))
+    spilled = sorted(name or "(the whole model)" for name, where in placement.items() if not isinstance(where, int))
+    if spilled:
+        raise ModelUnavailable(
+            f"the model does not fit in {gpus} GPUs' memory ({', '.join(spilled[:3])} would go to cpu or disk); "
+            "choose a smaller dtype, or raise cluster.gpus_per_worker"
+        )
+    return placement
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face endpoint answers a TCP connect (offline, loading skips the hub's retries)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
@@ -226,8 +245,11 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
-    """Load the model a config names; raise :class:`ModelUnavailable` with a clear reason otherwise."""
+def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel:
+    """Load the model a config names; raise :class:`ModelUnavailable` with a clear reason otherwise.
+
+    ``gpus`` > 1 spreads one model over this process's first ``gpus`` CUDA devices (:func:`spread_map`;
+    a Ray worker with ``cluster.gpus_per_worker`` > 1 sees just its own)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
@@ -235,6 +257,11 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
         raise ModelUnavailable(
             f"the config asks for device {device}, but torch {torch.__version__} sees no CUDA GPU here; "
             "set device: cpu, or run on a machine with an NVIDIA GPU and a CUDA build of torch"
+        )
+    if gpus > 1 and (not str(device).startswith("cuda") or torch.cuda.device_count() < gpus):
+        raise ModelUnavailable(
+            f"one model spread over {gpus} GPUs needs device: cuda and {gpus} visible GPUs; this process sees "
+            f"{torch.cuda.device_count()} (device: {device}). Lower cluster.gpus_per_worker, or run where they are"
         )
     if spec.get("source") == "random":
         from .tokenizer import ByteTokenizer
@@ -244,14 +271,24 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
         max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
         torch.manual_seed(spec.get("seed", 0))
         model, tok, name = AutoModelForCausalLM.from_config(config), ByteTokenizer(), f"random-{config.model_type}"
+        if gpus > 1:
+            from accelerate import dispatch_model
+
+            model = dispatch_model(model.to(dtype), spread_map(model, gpus))
     else:
         folder, name, kwargs = _where(spec)
         try:
             config = AutoConfig.from_pretrained(folder, **kwargs)
             native = config.max_position_embeddings
             max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
+            placement = {}
+            if gpus > 1:
+                from accelerate import init_empty_weights
+
+                with init_empty_weights():
+                    placement["device_map"] = spread_map(AutoModelForCausalLM.from_config(config, dtype=dtype), gpus)
             # use_kernels=False: no kernels fetched from the hub (transformers >= 5.25 asks for them by default)
-            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_kernels=False, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_kernels=False, **kwargs, **placement)
             tok = AutoTokenizer.from_pretrained(folder, **kwargs)
         except SafetensorError as err:
             raise ModelUnavailable(
@@ -266,5 +303,8 @@ def load_model(spec: dict, *, device: str = "cpu") -> LoadedModel:
                     f"the config at a local folder (source: local). ({str(err).splitlines()[0]})"
                 ) from None
             raise ModelUnavailable(f"cannot load {name!r}: {err}") from None
-    model.to(device=device, dtype=dtype).eval()
+    if gpus > 1:
+        model.eval()  # already placed, layer by layer
+    else:
+        model.to(device=device, dtype=dtype).eval()
     return LoadedModel(model, tok, name, native, max_context, spec.get("source") == "random")

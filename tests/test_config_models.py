@@ -116,3 +116,28 @@ def test_git_commit_is_dirty_for_code_changes_but_not_for_regenerated_figures(tm
         assert commit().endswith("+dirty")
     finally:
         env.git_commit.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_5_moe"])
+def test_one_model_spread_over_two_gpus_keeps_each_layer_whole_and_in_order(arch):
+    from conftest import HYBRID_SPECS
+
+    from niah.models import spread_map
+
+    lm = load_model(HYBRID_SPECS[arch])
+    size = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    where = spread_map(lm.model, 2, budget=size)  # either GPU could hold it all: balanced, not packed
+    layers = [where[f"model.layers.{i}"] for i in range(lm.model.config.num_hidden_layers)]
+    assert set(layers) == {0, 1} and layers == sorted(layers)  # both used, a contiguous run on each
+    assert where["model.embed_tokens"] == 0 and where["model.norm"] == 1
+    assert not any(k.startswith("model.layers.0.") for k in where)  # no layer cut in two
+    with pytest.raises(ModelUnavailable, match="does not fit in 2 GPUs' memory"):
+        spread_map(lm.model, 2, budget=size // 100)  # accelerate would put the rest on disk
+
+
+def test_a_model_spread_over_gpus_this_machine_lacks_is_refused():
+    spec = {"source": "random", "config": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}}
+    with pytest.raises(ModelUnavailable, match="spread over 2 GPUs needs device: cuda and 2 visible GPUs"):
+        load_model(spec, gpus=2)
+    with pytest.raises(ConfigError, match="gpus_per_worker 2 spreads one model over several GPUs"):
+        validate({"name": "x", "model": {"source": "random"}, "cluster": {"gpus_per_worker": 2}})

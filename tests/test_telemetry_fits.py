@@ -53,3 +53,14 @@ def test_dominant_period_survives_repeated_timestamps():
     assert osc.period_s == pytest.approx(0.25, rel=0.1)
     few = dominant_period([0.0] * 6 + [0.1, 0.1], [1.0] * 8)
     assert few.period_s is None
+
+
+def test_nvml_index_follows_the_visible_devices(monkeypatch):
+    from niah.experiments.telemetry import nvml_index
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert nvml_index(1) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # what Ray sets for an actor holding GPUs 3 and 5
+    assert (nvml_index(0), nvml_index(1)) == (3, 5)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2e")
+    assert nvml_index(0) == "GPU-8f2e"

@@ -42,7 +42,7 @@ from ..schema import section
 from .base import Collect, Experiment
 from .protocol import ask, compare_logits, context_states, kv_entries, prefill
 from .scoring import string_match_all
-from .telemetry import MemorySampler
+from .telemetry import MemorySampler, model_cuda_devices
 
 
 def sweep_settings(cfg: dict) -> dict:
@@ -213,9 +213,10 @@ def _step_rows(sink, lm, kv, L: int, methods: dict, names: list[str], cell, prob
 def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
     """Store, probe and decode one step for one method, with its memory trace; the numbers of one sweep row but
     TPOT (:func:`_paired_tpot`), and its first decode token (``_first``)."""
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    sampler = MemorySampler(hz=s["hz"], source="cuda" if cuda else "rss").start()
+    gpus = model_cuda_devices(lm.model)  # several when the model is spread over GPUs: memory is their sum
+    for i in gpus:
+        torch.cuda.reset_peak_memory_stats(i)
+    sampler = MemorySampler(hz=s["hz"], source="cuda" if cuda else "rss", devices=gpus).start()
     try:
         t0 = time.perf_counter()
         stored = PackedCache.from_states(kv, method, keep_dequantized=False, fused_decode=True)
@@ -241,7 +242,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
         "bits_per_value": 8 * nbytes["total"] / values,
         "quantize_s": quantize_s,
         "decode_steps": s["decode_steps"],
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else sampler.peak,
+        "peak_memory_bytes": sum(torch.cuda.max_memory_allocated(i) for i in gpus) if cuda else sampler.peak,
         "memory_source": "cuda max_memory_allocated" if cuda else "process RSS",
         "trace_t": [round(t, 4) for t in sampler.times],
         "trace_bytes": sampler.values,

@@ -9,38 +9,59 @@ Use it as a context manager; it samples at ``hz`` (20 Hz or faster) and always j
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import psutil
 
 
-def _cuda_reader(device_index: int):
-    """Bytes used on GPU ``device_index`` through pynvml, or None when pynvml cannot see it."""
+def nvml_index(cuda_index: int) -> int | str:
+    """The NVML handle of the GPU torch calls ``cuda:cuda_index``: NVML counts every GPU of the machine, torch
+    only those in ``CUDA_VISIBLE_DEVICES`` (which Ray sets for each actor).  An int, or the entry's UUID."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return cuda_index
+    entry = visible[cuda_index]
+    return int(entry) if entry.isdigit() else entry
+
+
+def _cuda_reader(cuda_indices: list[int]):
+    """Bytes used on those GPUs together, through pynvml, or None when pynvml cannot see them."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        handles = []
+        for i in cuda_indices:
+            h = nvml_index(i)
+            handles.append(pynvml.nvmlDeviceGetHandleByUUID(h) if isinstance(h, str) else pynvml.nvmlDeviceGetHandleByIndex(h))
     except Exception:  # no library, driver or device: fall back to the CUDA allocator
         return None
-    return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    return lambda: sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles)
+
+
+def model_cuda_devices(model) -> list[int]:
+    """The CUDA device indices holding ``model``'s parameters (one, or several for a model spread with a
+    device map); [] on the CPU."""
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
 class MemorySampler:
     """Samples memory in a daemon thread between ``start()`` and ``stop()`` (or a ``with`` block).
 
-    ``source``: ``"rss"`` (this process's resident memory) or ``"cuda"`` (pynvml's used memory of the
-    current device; the CUDA allocator's ``memory_allocated`` if pynvml is missing).
+    ``source``: ``"rss"`` (this process's resident memory) or ``"cuda"`` (pynvml's used memory of the CUDA
+    ``devices``, summed; default the current one; the CUDA allocator's ``memory_allocated`` if pynvml is missing).
     """
 
-    def __init__(self, hz: float = 50.0, source: str = "rss"):
+    def __init__(self, hz: float = 50.0, source: str = "rss", devices: list[int] | None = None):
         if hz < 20:
             raise ValueError(f"sample at 20 Hz or faster to see sub-second memory changes; got {hz}")
         if source not in ("rss", "cuda"):
             raise ValueError(f"unknown memory source {source!r}: use 'rss' or 'cuda'")
         self.period = 1.0 / hz
         self.source = source
+        self.devices = devices
         self.times: list[float] = []
         self.values: list[int] = []
         self._stop = threading.Event()
@@ -52,8 +73,8 @@ class MemorySampler:
             return lambda: proc.memory_info().rss
         import torch
 
-        nvml = _cuda_reader(torch.cuda.current_device())
-        return nvml or torch.cuda.memory_allocated
+        devices = self.devices or [torch.cuda.current_device()]
+        return _cuda_reader(devices) or (lambda: sum(torch.cuda.memory_allocated(i) for i in devices))
 
     def _run(self, read, t0: float) -> None:
         next_t = t0
