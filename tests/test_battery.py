@@ -69,8 +69,9 @@ def test_separate_contexts_hold_only_their_own_lengths_needles(tmp_path, smoke_w
     assert set(df["needle_key"]) != set(nested["needle_key"])  # other contexts, other keys
 
 
-def test_a_hybrid_model_runs_the_battery_and_reports_bytes_per_layer_type(tmp_path, smoke_with, hybrid):
-    cfg = _battery_cfg(smoke_with, methods=["fp16", "q4_0"])
+@pytest.mark.parametrize("mode", ["multi_key", "single"])  # single: a shared prefix cropped back, or restarted (linear layers)
+def test_a_hybrid_model_runs_the_battery_and_reports_bytes_per_layer_type(tmp_path, smoke_with, hybrid, mode):
+    cfg = _battery_cfg(smoke_with, methods=["fp16", "q4_0"], mode=mode)
     df = _frame(run_battery(cfg, hybrid, tmp_path / "h.jsonl", progress=False))
     assert (df["status"] == "ok").all() and len(df) == 16
     sliding = df["kv_bytes_sliding_attention"]

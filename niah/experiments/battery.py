@@ -44,7 +44,7 @@ from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
 from ..schema import section
 from .base import Collect, Experiment, too_long_reason
-from .grid import Cell, SharedPrompt, cell_keys, extend_shared
+from .grid import Cell, SharedPrompt, cell_keys, croppable, extend_shared
 from .protocol import answer_fields, ask, check_engine_reads, context_states, kv_entries, prefill
 
 
@@ -368,7 +368,7 @@ def _run_single_context(sink, lm, prompts: list[tuple[list[int], Question]], how
             t0 = time.perf_counter()
             prefill(lm.model, ids[q.position :], base, chunk)
             sink.write(_ask_all(lm, context_states(base), [q], time.perf_counter() - t0, how))
-            if base.is_croppable:
+            if croppable(base):
                 base.crop(q.position - len(ids))
         except (torch.OutOfMemoryError, MemoryError) as err:
             sink.fail([how.row(q, m) for m in todo], "oom", err)

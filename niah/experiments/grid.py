@@ -105,12 +105,19 @@ class SharedPrompt:
     shared_prefix: int
 
 
+def croppable(cache) -> bool:
+    """Whether :meth:`~transformers.Cache.crop` can take tokens off ``cache`` again: every layer can, a
+    linear-attention one only while it records its past (transformers >= 5.25 marks those layers croppable,
+    then refuses the crop unless the recording was switched on; this repo does not record them)."""
+    return cache.is_croppable and all(getattr(layer, "record_past", True) for layer in cache.layers)
+
+
 def extend_shared(model, base, base_ids, p: CellPrompt | SharedPrompt, chunk: int):
     """Grow the shared-prefix cache to this cell's shared prefix (restart it if it is not a prefix, or if the
     last cell's tokens could not be cropped off: linear-attention states cannot be rolled back).  Its sliding
     layers record their past, so that :meth:`~transformers.Cache.crop` can take a cell's tokens off them."""
     want = p.prefill_ids[: p.shared_prefix]
-    if base is None or want[: len(base_ids)] != base_ids or not base.is_croppable:
+    if base is None or want[: len(base_ids)] != base_ids or not croppable(base):
         base, base_ids = DynamicCache(config=model.config), []
         for layer in base.layers:
             if isinstance(layer, DynamicSlidingWindowLayer):
@@ -156,5 +163,5 @@ def _run_cell(exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods
             )
         return rows
     finally:
-        if len(p.prefill_ids) > shared and base.is_croppable:
+        if len(p.prefill_ids) > shared and croppable(base):
             base.crop(shared - len(p.prefill_ids))
