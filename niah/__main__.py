@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="cpu")
     p.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 03")
     p.add_argument("--cluster", metavar="ADDRESS", help="notebook 03's battery on Ray: local, auto or ray://host:10001")
+    p.add_argument(
+        "--dry-run", action="store_true", help="the config's whole chain on the CPU with a tiny random model of its architecture"
+    )
     p = sub.add_parser("report", help="export the executed chain as one HTML report")
     p.add_argument("--config", default="cpu")
     p = sub.add_parser("report-check", help="render the HTML report in headless Chromium and check its figures and ledger")
@@ -72,13 +75,21 @@ def main(argv: list[str] | None = None) -> int:
                     **({"lengths": args.lengths} if args.lengths else {}),
                 }
                 cfg = validate(raw, args.config)
+            _record_environment(cfg)
             path = run_needles(cfg, load_model(cfg["model"], device=cfg["device"]))
             print(f"results: {path}")
             _report_statuses(cfg)
         elif args.cmd == "reproduce":
             from .report.chain import reproduce
 
-            reproduce(args.config, args.only)
+            config = args.config
+            if args.dry_run:
+                from .dryrun import write_dry_config
+
+                path, left_out = write_dry_config(config)
+                print(f"[dry run] {path}" + "".join(f"\n[dry run] left out: {why}" for why in left_out), flush=True)
+                config = str(path)
+            reproduce(config, args.only)
         elif args.cmd == "report":
             from .report.chain import report
 
@@ -113,6 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _record_environment(cfg: dict) -> None:
+    """Write the machine's record into the config's run folder, as notebook 00 does (``summary`` names the machine from it)."""
+    from .env import environment_record
+    from .notebook import save_json
+    from .rundir import RunDir
+
+    folder = RunDir(cfg).path
+    folder.mkdir(parents=True, exist_ok=True)
+    save_json(environment_record(), folder / "environment.json")
 
 
 def _report_statuses(cfg: dict) -> None:

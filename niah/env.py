@@ -43,6 +43,10 @@ def versions() -> dict[str, str]:
     return {p: v for p, v in found.items() if v}
 
 
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def gpus() -> list[dict]:
     """NVIDIA GPUs through pynvml (name, memory, driver); empty when there are none or no driver."""
     try:
@@ -58,33 +62,56 @@ def gpus() -> list[dict]:
         out.append(
             {
                 "index": i,
-                "name": name.decode() if isinstance(name, bytes) else name,
+                "name": _text(name),
                 "memory_gib": round(pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30, 1),
-                "driver": pynvml.nvmlSystemGetDriverVersion(),
+                "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                "compute_capability": ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h))),
             }
         )
     pynvml.nvmlShutdown()
     return out
 
 
+# the vector instruction sets CPU kernels (torch's, llama.cpp's) choose between, as /proc/cpuinfo names them
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+SIMD_FLAGS += ("avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
+
+
+def cpu_record(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and the SIMD flags of :data:`SIMD_FLAGS` it has (``cpuinfo``: the text of
+    /proc/cpuinfo, read when None), and the instruction set torch's CPU kernels were dispatched to."""
+    import torch
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for key, value in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line):
+        fields.setdefault(key.strip(), value.strip())  # the first core's (every core says the same)
+    have = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {
+        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        "cpu_simd": [f for f in SIMD_FLAGS if f in have],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
 def environment_record() -> dict:
     """Everything the report states about the machine and software."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu,
+        **cpu_record(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "cuda_available": torch.cuda.is_available(),
+        "cuda_version": torch.version.cuda,
         "gpus": gpus(),
         "sdpa_backends": {
             "flash": torch.backends.cuda.flash_sdp_enabled(),

@@ -405,6 +405,8 @@ def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_pa
     assert "rows: 1 too_long" in out.out and "no row was scored; every one is too_long" in out.err
     assert main(["summary", "--config", str(path)]) == 2
     assert "no ok rows" in capsys.readouterr().err
+    record = json.loads((runs_in / "smoke" / "environment.json").read_text())  # `niah run` names the machine too
+    assert record["cpu"] and "torch_cpu_capability" in record and isinstance(record["gpus"], list)
 
 
 def test_an_over_large_max_new_tokens_is_named_not_rope_scaling(smoke_cfg, tiny, tmp_path):

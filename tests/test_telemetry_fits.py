@@ -64,3 +64,15 @@ def test_nvml_index_follows_the_visible_devices(monkeypatch):
     assert (nvml_index(0), nvml_index(1)) == (3, 5)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2e")
     assert nvml_index(0) == "GPU-8f2e"
+
+
+def test_the_cpu_record_names_the_model_and_the_simd_flags_it_has():
+    from niah.env import cpu_record
+
+    info = "processor\t: 0\nmodel name\t: Intel Xeon 8480+\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f amx_tile amx_bf16\n\n"
+    rec = cpu_record(info + info.replace("processor\t: 0", "processor\t: 1"))
+    assert rec["cpu"] == "Intel Xeon 8480+"
+    assert rec["cpu_simd"] == ["sse4_2", "avx", "avx2", "fma", "avx512f", "amx_tile", "amx_bf16"]
+    arm = cpu_record("Features\t: fp asimd sve\nCPU implementer\t: 0x41\n")
+    assert arm["cpu_simd"] == ["asimd", "sve"] and arm["cpu"]  # no model name line: the platform's processor name
+    assert cpu_record("")["cpu_simd"] == [] and isinstance(cpu_record("")["torch_cpu_capability"], str)

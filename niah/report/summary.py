@@ -30,12 +30,23 @@ def _needle_rows(run: RunDir) -> tuple[pd.DataFrame, pd.DataFrame]:
     return rows, ok
 
 
+def _simd(env: dict) -> str:
+    """`` (AVX512 kernels, AMX)``: the instruction set torch's CPU kernels use, and AMX where the CPU has it."""
+    if not env.get("torch_cpu_capability"):
+        return ""
+    return f" ({env['torch_cpu_capability']} kernels{', AMX' if 'amx_tile' in env.get('cpu_simd', []) else ''})"
+
+
+def _driver(gpu: dict) -> str:
+    return f" (driver {gpu['driver']})" if gpu.get("driver") else ""
+
+
 def _header(run: RunDir, ok: pd.DataFrame) -> str:
     env = json.loads((run.path / "environment.json").read_text()) if (run.path / "environment.json").exists() else {}
     machine = (
         (
-            f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB"
-            + (f", {', '.join(g.get('name', 'GPU') for g in env['gpus'])}" if env.get("gpus") else ", no GPU")
+            f"{env.get('cpu', '?')}{_simd(env)}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB"
+            + (f", {', '.join(g.get('name', 'GPU') + _driver(g) for g in env['gpus'])}" if env.get("gpus") else ", no GPU")
         )
         if env
         else "not recorded"
