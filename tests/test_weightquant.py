@@ -12,7 +12,15 @@ from niah.weightquant.data import split_keys
 from niah.weightquant.evaluate import Evaluator, repetition
 from niah.weightquant.pack import PackedLinear, pack_bits, unpack_bits
 from niah.weightquant.quant import fake_quant_tokens, fake_quant_weight, quantize_weight
-from niah.weightquant.salience import collect_inputs, decoder_linears, kurtosis, magnitude_prune, select_channels, zero_channels
+from niah.weightquant.salience import (
+    collect_inputs,
+    decoder_linears,
+    kurtosis,
+    magnitude_prune,
+    select_channels,
+    uncoded_weights,
+    zero_channels,
+)
 from niah.weightquant.schemes import QuantizedModel, Scheme, rtn_layers
 from niah.weightquant.settings import settings
 
@@ -233,6 +241,26 @@ def test_autoround_on_the_first_blocks_tunes_only_those_and_leaves_the_model_who
     layers, record = autoround.calibrate(tiny.model, tiny.tokenizer, windows, 4, 32, True, 1, 2, False, 0, blocks=1)
     assert set(layers) == {n for n in before if n.startswith("model.layers.0.")} and record["blocks"] == 1
     assert len(tiny.model.base_model.layers) == 2 and tiny.model.config.num_hidden_layers == 2
+    assert uncoded_weights(tiny.model) == {}  # a dense model: every decoder weight is in a linear
     assert all((m.weight == before[n]).all() for n, m in decoder_linears(tiny.model).items())
     with pytest.raises(ValueError, match="needs 1 to 2 blocks"):
         autoround.first_blocks(tiny.model, 3)
+
+
+def test_autoround_calibrates_a_model_with_linear_attention_layers_and_codes_every_linear():
+    """Qwen3.5's layout: auto-round's shared block inputs used to carry a 2D mask into the full-attention block."""
+    pytest.importorskip("auto_round")
+    from conftest import HYBRID_SPECS
+
+    from niah.models import load_model
+
+    lm = load_model(HYBRID_SPECS["qwen3_5_moe"])
+    windows = torch.randint(0, 250, (2, 16))
+    layers, record = autoround.calibrate(lm.model, lm.tokenizer, windows, 4, 32, True, 1, 2, False, 0, blocks=4)
+    assert set(layers) == set(decoder_linears(lm.model))  # the full-attention block (layer 2) included; no unfused experts
+    experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(4) for p in ("gate_up_proj", "down_proj")}
+    assert set(uncoded_weights(lm.model)) == experts | {f"model.layers.{i}.mlp.gate.weight" for i in range(4)}  # and the routers
+    assert record["rtn_layers"] and set(record["rtn_layers"]) < set(layers)  # the ones auto-round leaves are named
+    for name in record["rtn_layers"]:
+        w = decoder_linears(lm.model)[name].weight.float()
+        assert (layers[name].dense() - w).abs().max() <= w.abs().max() / 7 + 1e-6  # within one 4-bit step

@@ -21,7 +21,7 @@ import torch
 
 from ..experiments.telemetry import MemorySampler
 from .pack import PackedLinear
-from .quant import QWeight, grouped
+from .quant import QWeight, grouped, quantize_weight
 from .salience import decoder_linears
 
 
@@ -74,6 +74,14 @@ def scheme(bits: int, group: int, sym: bool, act_bits: int = 16, preset: str | N
     return QuantizationScheme(bits=bits, group_size=group, sym=sym, data_type="int", **act)
 
 
+def _has_linear_attention(model) -> bool:
+    """Whether ``model`` has linear-attention layers (Qwen3.5).  auto-round 0.16 caches the first block's inputs,
+    an explicit 2D padding mask among them, and feeds them to every block; a full-attention block then hands that
+    mask to SDPA, which refuses it.  Such models get their windows with ``attention_mask: None`` (no padding
+    here): every block then builds its own causal mask, or none."""
+    return "linear_attention" in (getattr(model.config, "layer_types", None) or [])
+
+
 def _autoround(model, tokenizer, windows: torch.Tensor, sch, iters: int, batch_size: int, amp: bool, seed: int):
     from auto_round import AutoRound
 
@@ -87,7 +95,7 @@ def _autoround(model, tokenizer, windows: torch.Tensor, sch, iters: int, batch_s
         nsamples=len(windows),
         seqlen=windows.shape[1],
         batch_size=min(batch_size, len(windows)),
-        dataset=[w[None] for w in windows],
+        dataset=[{"input_ids": w[None], "attention_mask": None} if _has_linear_attention(model) else w[None] for w in windows],
         device_map="cpu",
         amp=amp,
         seed=seed,
@@ -144,7 +152,8 @@ def calibrate(
     seed: int,
     blocks: int | None = None,
 ) -> tuple[dict[str, PackedLinear], dict]:
-    """AutoRound ``bits``-bit weights (activations untouched) for every decoder linear of ``model``.
+    """AutoRound ``bits``-bit weights (activations untouched) for every decoder linear of ``model`` (the ones
+    auto-round will not tune get round-to-nearest codes, named in the record's ``rtn_layers``).
 
     ``windows: (samples, seqlen)`` token ids of the calibration split, passed as tensors (auto-round tokenizes
     nothing and downloads nothing).  ``amp=False`` tunes in fp32; auto-round's CPU default (``amp=True``) casts the
@@ -154,15 +163,22 @@ def calibrate(
     """
     sch = scheme(bits, group, sym)
     work = copy.deepcopy(model) if blocks is None else first_blocks(model, blocks)
+    ours = set(decoder_linears(work))  # before auto-round unfuses a mixture's experts into linears of its own
     torch.manual_seed(seed)
     ar = _autoround(work, tokenizer, windows, sch, iters, batch_size, amp, seed)
     t0 = time.perf_counter()
     with MemorySampler(hz=20) as mem:
         ar.quantize()
     wall = time.perf_counter() - t0
+    linears = {n: m for n, m in decoder_linears(work).items() if n in ours}  # not the expert linears auto-round unfused
+    skipped = sorted(n for n, m in linears.items() if not hasattr(m, "scale"))  # auto-round leaves some (Qwen3.5's gates) alone
     layers = {
-        n: PackedLinear.from_qweight(_codes(m, bits, group, sym), (m.out_features, m.in_features), group)
-        for n, m in decoder_linears(work).items()
+        n: PackedLinear.from_qweight(
+            _codes(m, bits, group, sym) if n not in skipped else quantize_weight(m.weight.detach().float(), bits, group, sym),
+            (m.out_features, m.in_features),
+            group,
+        )
+        for n, m in linears.items()
     }
     record = {
         "library": "auto-round",
@@ -177,6 +193,7 @@ def calibrate(
         "peak_rss_bytes": max(mem.values, default=0),
         "tuned_in": str(next(work.parameters()).dtype),
         "blocks": blocks,
+        "rtn_layers": skipped,  # decoder linears auto-round did not tune: round-to-nearest codes, so that every one is 4-bit
     }
     return layers, record
 

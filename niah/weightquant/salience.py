@@ -20,6 +20,16 @@ def decoder_linears(model) -> dict[str, torch.nn.Linear]:
     return {f"{prefix}.{n}": m for n, m in layers.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+def uncoded_weights(model) -> dict[str, int]:
+    """``{parameter name: elements}`` of decoder-layer weights that are not in a ``torch.nn.Linear`` and so stay at
+    full precision under every weight scheme here: the fused expert tensors of a mixture of experts (Qwen3.5-MoE's
+    ``mlp.experts.gate_up_proj``) and its router.  Norms, biases, 1-D parameters and convolutions are not counted."""
+    layers = model.base_model.layers
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    in_linear = {id(m.weight) for m in layers.modules() if isinstance(m, torch.nn.Linear)}
+    return {f"{prefix}.{n}": p.numel() for n, p in layers.named_parameters() if p.dim() >= 2 and id(p) not in in_linear and "conv" not in n}
+
+
 def layer_type(name: str) -> str:
     """``model.layers.3.self_attn.q_proj`` -> ``q_proj``."""
     return name.rsplit(".", 1)[-1]

@@ -55,7 +55,7 @@ from .data import split_text, token_windows, windows_hash
 from .evaluate import Evaluator, generate, repetition
 from .needle import needle_battery, run_needles, usable_methods
 from .quant import fake_quant_weight
-from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs
+from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs, uncoded_weights
 from .schemes import QuantizedModel, Scheme, rtn_layers, schemes_01, with_kept_channels, zeroed_layers
 from .settings import settings
 from .tables import OFFER
@@ -346,4 +346,11 @@ class Study:
             f"needles ({b['depths']} depths, {b['mode']} mode) per length, over the whole {self.cfg['haystack']} haystack "
             f"(calibration topics included); KV methods {self.kv_methods}; schemes {self.s['needle_schemes']}",
         }
+        uncoded = uncoded_weights(self.lm.model)
+        if uncoded:
+            total = sum(p.numel() for p in self.lm.model.base_model.layers.parameters())
+            facts["left at full precision"] = (
+                f"{sum(uncoded.values()) / total:.0%} of the decoder's weights ({len(uncoded)} tensors outside nn.Linear, "
+                f"e.g. {next(iter(uncoded))}): no scheme here quantizes fused expert tensors yet"
+            )
         return pd.DataFrame({"value": facts})
