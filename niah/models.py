@@ -270,7 +270,12 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
         native = config.max_position_embeddings
         max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
         torch.manual_seed(spec.get("seed", 0))
-        model, tok, name = AutoModelForCausalLM.from_config(config), ByteTokenizer(), f"random-{config.model_type}"
+        if str(device).startswith("cuda") and gpus == 1:  # made on the GPU in its dtype: 35B random weights need no 140 GB of RAM
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:  # spread over GPUs: made on the CPU in its dtype first; on the CPU: in fp32, then cast
+            model = AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if gpus > 1 else {}))
+        tok, name = ByteTokenizer(), f"random-{config.model_type}"
         if gpus > 1:
             from accelerate import dispatch_model
 

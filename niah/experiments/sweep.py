@@ -36,7 +36,7 @@ from ..data.haystack import haystack_text, tokenize_haystack
 from ..data.needles import NeedleSpec, make_trial, needle_text
 from ..data.prompts import build_cell
 from ..kv.cache import PackedCache, fused_decoding, warm_up
-from ..kv.layout import CacheLayout
+from ..kv.layout import FULL, SLIDING, CacheLayout
 from ..kv.registry import get_method
 from ..schema import section
 from .base import Collect, Experiment
@@ -238,12 +238,16 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
         "kv_bytes": nbytes["total"],
         "kv_bytes_packed": nbytes["packed"],
         "kv_bytes_residual": nbytes["residual"],
+        "kv_bytes_full_attention": nbytes[FULL],
+        "kv_bytes_sliding_attention": nbytes[SLIDING],
+        "linear_state_bytes": nbytes["linear_state"],
         "kv_bytes_analytical": method.analytical_bits(lm.head_dim) * values / 8,
         "bits_per_value": 8 * nbytes["total"] / values,
         "quantize_s": quantize_s,
         "decode_steps": s["decode_steps"],
         "peak_memory_bytes": sum(torch.cuda.max_memory_allocated(i) for i in gpus) if cuda else sampler.peak,
         "memory_source": "cuda max_memory_allocated" if cuda else "process RSS",
+        "trace_source": sampler.reader,
         "trace_t": [round(t, 4) for t in sampler.times],
         "trace_bytes": sampler.values,
         "generated": lm.tokenizer.decode(tokens, skip_special_tokens=True),

@@ -62,6 +62,7 @@ class MemorySampler:
         self.period = 1.0 / hz
         self.source = source
         self.devices = devices
+        self.reader = ""  # what was read, set by start(): psutil rss, pynvml or torch.cuda.memory_allocated
         self.times: list[float] = []
         self.values: list[int] = []
         self._stop = threading.Event()
@@ -70,11 +71,14 @@ class MemorySampler:
     def _reader(self):
         if self.source == "rss":
             proc = psutil.Process()
+            self.reader = "psutil rss"
             return lambda: proc.memory_info().rss
         import torch
 
         devices = self.devices or [torch.cuda.current_device()]
-        return _cuda_reader(devices) or (lambda: sum(torch.cuda.memory_allocated(i) for i in devices))
+        nvml = _cuda_reader(devices)
+        self.reader = "pynvml" if nvml else "torch.cuda.memory_allocated"
+        return nvml or (lambda: sum(torch.cuda.memory_allocated(i) for i in devices))
 
     def _run(self, read, t0: float) -> None:
         next_t = t0

@@ -68,6 +68,8 @@ def report(config: str, run_root: Path | None = None) -> Path:
     import nbformat
     from nbconvert import HTMLExporter
 
+    from .htmlcheck import PRINT_STYLE
+
     out = run_dir(config, run_root)
     executed = [out / nb.name for nb in chain() if (out / nb.name).exists()]
     if not executed:
@@ -79,6 +81,7 @@ def report(config: str, run_root: Path | None = None) -> Path:
         merged.cells.extend(_without_progress_bars(c) for c in nbformat.read(path, as_version=4).cells)
     exporter = HTMLExporter(exclude_input=True, embed_images=True)
     html, _ = exporter.from_notebook_node(merged)
+    html = html.replace("</head>", PRINT_STYLE + "</head>", 1)
     target = out / "report.html"
     tmp = target.with_suffix(".partial")
     tmp.write_text(html, encoding="utf-8")

@@ -27,10 +27,21 @@ window.addEventListener('load', () => {
     decoded: imgs.filter(i => i.complete && i.naturalWidth > 0).length,
     tables: [...document.querySelectorAll('table')].map(t => t.innerText),
     headings: [...document.querySelectorAll('h1, h2')].map(h => h.innerText.trim()),
+    wide: [...document.querySelectorAll('table')]
+      .filter(t => t.getBoundingClientRect().right > document.documentElement.clientWidth + 1).length,
   });
   document.body.appendChild(out);
 });
 </script>"""
+
+
+PRINT_WIDTH_PX = 1047  # A4 landscape less 10 mm margins at 96 px per inch: the width report.pdf prints tables at
+# The report's print layout: A4 landscape, small table text, and cells that wrap long names instead of running off the page
+PRINT_STYLE = """<style>
+@page { size: A4 landscape; margin: 10mm; }
+table { font-size: 8pt; max-width: 100%; }
+td, th { padding: 1px 4px; overflow-wrap: anywhere; }
+</style>"""
 
 
 class ReportCheckError(RuntimeError):
@@ -61,7 +72,9 @@ def rendered(report: Path, browser: str | None = None) -> dict:
     probe = report.with_name(report.stem + ".check.html")
     probe.write_text(report.read_text(encoding="utf-8").replace("</body>", _PROBE + "</body>"), encoding="utf-8")
     try:
-        dom = _chromium(browser, "--virtual-time-budget=20000", "--dump-dom", probe.resolve().as_uri())
+        dom = _chromium(
+            browser, f"--window-size={PRINT_WIDTH_PX},1400", "--virtual-time-budget=20000", "--dump-dom", probe.resolve().as_uri()
+        )
     finally:
         probe.unlink()
     found = re.search(r'<pre id="niah-report-check">(.*?)</pre>', dom, re.S)
@@ -77,6 +90,8 @@ def check_report(report: Path, claim_ids: list[str], min_figures: int, browser: 
     browser = browser or find_browser()
     seen = rendered(report, browser)
     problems = []
+    if seen["wide"]:
+        problems.append(f"{seen['wide']} table(s) wider than the printed page ({PRINT_WIDTH_PX} px): report.pdf would cut them")
     if seen["decoded"] < min_figures:
         problems.append(f"{seen['decoded']} figures rendered, expected at least {min_figures}")
     if seen["decoded"] < seen["images"]:

@@ -41,16 +41,17 @@ def _driver(gpu: dict) -> str:
     return f" (driver {gpu['driver']})" if gpu.get("driver") else ""
 
 
+def machine_line(env: dict) -> str:
+    """The machine of an environment record (:func:`niah.env.environment_record`) in one line."""
+    if not env:
+        return "not recorded"
+    gpus = ", ".join(g.get("name", "GPU") + _driver(g) for g in env.get("gpus", [])) or "no GPU"
+    return f"{env.get('cpu', '?')}{_simd(env)}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB, {gpus}"
+
+
 def _header(run: RunDir, ok: pd.DataFrame) -> str:
     env = json.loads((run.path / "environment.json").read_text()) if (run.path / "environment.json").exists() else {}
-    machine = (
-        (
-            f"{env.get('cpu', '?')}{_simd(env)}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB"
-            + (f", {', '.join(g.get('name', 'GPU') + _driver(g) for g in env['gpus'])}" if env.get("gpus") else ", no GPU")
-        )
-        if env
-        else "not recorded"
-    )
+    machine = machine_line(env)
     partial = run.path / "timing_partial.json"
     source = run.timing if run.timing.exists() else partial
     timing = json.loads(source.read_text()) if source.exists() else {}
