@@ -172,14 +172,14 @@ def _check_model(spec, where: str) -> None:
 
 def _check_haystack(cfg: dict, where: str) -> None:
     """The haystack source exists and (for ``folder``) its files decode, before any run folder is made."""
-    from .data.haystack import SOURCES, folder_text
+    from .data.haystack import SOURCES, folder_files
 
     if cfg["haystack"] not in SOURCES:
         raise ConfigError(f"{where}: unknown haystack {cfg['haystack']!r}; choose one of {', '.join(SOURCES)}")
     if cfg["haystack"] == "folder":
         folder = Path(cfg["haystack_folder"])
         try:
-            folder_text(folder if folder.is_absolute() else ROOT / folder)
+            folder_files(folder if folder.is_absolute() else ROOT / folder)
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"{where}: {err}") from None
 

@@ -292,6 +292,33 @@ def test_a_non_utf8_haystack_file_fails_at_load(tmp_path, smoke_cfg):
 
 
 @pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda f: f.write_text(""), "is empty: fill it or remove it"),
+        (lambda f: f.symlink_to(f), "is a broken or looping symbolic link"),
+        (lambda f: f.mkdir(), "is not a regular file"),
+        (lambda f: f.symlink_to(f.with_name("gone")), "is a broken or looping symbolic link"),
+        (lambda f: f.write_bytes(b"ok" * 2**20 + b"\xff"), "is not valid UTF-8"),  # past the first 1 MiB block
+    ],
+)
+def test_a_haystack_entry_that_is_not_a_readable_text_file_fails_at_load(tmp_path, smoke_cfg, make, message):
+    (tmp_path / "a.txt").write_text("A fine sentence. Another one.", encoding="utf-8")
+    make(tmp_path / "b.txt")
+    with pytest.raises(ConfigError, match=message):
+        validate(_raw(smoke_cfg, haystack="folder", haystack_folder=str(tmp_path)))
+
+
+def test_a_battery_whose_contexts_do_not_fit_the_haystack_side_by_side_is_refused(tmp_path, smoke_cfg, tiny):
+    from niah.experiments.battery import run_battery
+
+    (tmp_path / "a.txt").write_text("A short haystack. " * 60, encoding="utf-8")  # 1080 byte tokens: 2 x 1024 do not fit
+    cfg = validate(_raw(smoke_cfg, haystack="folder", haystack_folder=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"holds \d+ tokens, fewer than the 2048 asked for the battery's 2 contexts of 1024"):
+        run_battery(cfg, tiny, tmp_path / "b.jsonl", progress=False)
+    assert not (tmp_path / "b.jsonl").exists()
+
+
+@pytest.mark.parametrize(
     "change, message",
     [
         ({"battery": {"lengths": []}}, "battery.lengths must be a non-empty list of positive integers"),

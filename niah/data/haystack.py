@@ -12,6 +12,7 @@ Tokenizing sentence by sentence gives exact sentence boundaries in token space, 
 from __future__ import annotations
 
 import bisect
+import codecs
 import re
 import warnings
 from dataclasses import dataclass
@@ -28,18 +29,38 @@ def pydoc_text() -> str:
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
 
 
-def folder_text(folder: str | Path) -> str:
+def folder_files(folder: str | Path) -> list[Path]:
+    """The ``*.txt`` files of a haystack folder, each checked to be a readable, non-empty UTF-8 file; streamed in
+    1 MiB blocks, so that checking a large folder holds none of it in memory.  Raises ``FileNotFoundError`` or
+    ``ValueError`` naming the file and the fix."""
     folder = Path(folder)
     files = sorted(folder.glob("*.txt"))
     if not files:
         raise FileNotFoundError(f"haystack folder {folder} has no *.txt files: add UTF-8 text files or pick 'pydoc' or 'noise'")
-    parts = []
     for f in files:
         try:
-            parts.append(f.read_text(encoding="utf-8"))
+            if f.is_symlink() and not f.exists():
+                raise ValueError(f"haystack entry {f} is a broken or looping symbolic link: remove it from {folder} or fix it")
+            if not f.is_file():
+                raise ValueError(f"haystack entry {f} is not a regular file: remove it from {folder} or rename it")
+            decoder, size = codecs.getincrementaldecoder("utf-8")(), 0
+            with open(f, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    decoder.decode(block)
+                    size += len(block)
+            decoder.decode(b"", final=True)
         except UnicodeDecodeError as err:
-            raise ValueError(f"haystack file {f} is not valid UTF-8 ({err.reason} at byte {err.start}): re-save it as UTF-8") from None
-    return "\n\n".join(parts)
+            raise ValueError(f"haystack file {f} is not valid UTF-8 ({err.reason}): re-save it as UTF-8") from None
+        except OSError as err:
+            raise ValueError(f"haystack file {f} cannot be read ({err.strerror}): fix it or remove it from {folder}") from None
+        if size == 0:
+            raise ValueError(f"haystack file {f} is empty: fill it or remove it from {folder}")
+    return files
+
+
+def folder_text(folder: str | Path) -> str:
+    """Every file of :func:`folder_files`, in name order, separated by blank lines."""
+    return "\n\n".join(f.read_text(encoding="utf-8") for f in folder_files(folder))
 
 
 SOURCES = ("pydoc", "noise", "folder")
@@ -77,8 +98,13 @@ class TokenHaystack:
         return self.starts[max(bisect.bisect_right(self.starts, position) - 1, 0)]
 
 
-def tokenize_haystack(text: str, tokenizer, n_tokens: int) -> TokenHaystack:
-    """Tokenize whole sentences until there are at least ``n_tokens`` tokens; repeat the text (with a warning) if short."""
+class HaystackTooShort(ValueError):
+    """The haystack text holds fewer tokens than asked, and repeating it is not allowed."""
+
+
+def tokenize_haystack(text: str, tokenizer, n_tokens: int, repeat: bool = True) -> TokenHaystack:
+    """Tokenize whole sentences until there are at least ``n_tokens`` tokens; repeat the text (with a warning) if
+    short, or raise :class:`HaystackTooShort` when ``repeat`` is False."""
     pieces = split_sentences(text)
     if not pieces:
         raise ValueError("the haystack text is empty")
@@ -92,6 +118,8 @@ def tokenize_haystack(text: str, tokenizer, n_tokens: int) -> TokenHaystack:
             if len(ids) >= n_tokens:
                 break
         rounds += 1
+        if len(ids) < n_tokens and not repeat:
+            raise HaystackTooShort(f"the haystack holds {len(ids)} tokens, fewer than the {n_tokens} asked")
     if rounds > 1:
         warnings.warn(f"the haystack text is shorter than {n_tokens} tokens; it was repeated {rounds} times", stacklevel=2)
     return TokenHaystack(ids, starts)

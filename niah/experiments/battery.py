@@ -36,13 +36,13 @@ import torch
 
 from .. import env
 from ..cluster import Unit, cluster_settings, run_units
-from ..data.haystack import TokenHaystack, haystack_text, tokenize_haystack
+from ..data.haystack import HaystackTooShort, TokenHaystack, haystack_text, tokenize_haystack
 from ..data.needles import INTRO, KEY_WORDS, NOUN, VALUE_KINDS, Trial, needle_text, question_texts
 from ..data.prompts import frame
 from ..kv.cache import PackedCache
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
-from ..schema import section
+from ..schema import ConfigError, section
 from .base import Collect, Experiment, too_long_reason
 from .grid import Cell, SharedPrompt, cell_keys, croppable, extend_shared
 from .protocol import answer_fields, ask, check_engine_reads, context_states, kv_entries, prefill
@@ -166,9 +166,15 @@ def battery_contexts(cfg: dict, lm, s: dict | None = None) -> list:
     s = s or battery_settings(cfg)
     n = cfg["niah"]
     style, kind = n["prompt_styles"][0], n["needle"]["kind"]
-    hay = tokenize_haystack(
-        haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, s["lengths"][-1] * s["contexts"]
-    )
+    need = s["lengths"][-1] * s["contexts"]  # each context its own stretch of text at the longest length
+    try:
+        hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, need, repeat=False)
+    except HaystackTooShort as err:
+        raise ConfigError(
+            f"{err} for the battery's {s['contexts']} contexts of {s['lengths'][-1]} tokens ({lm.name}'s tokenizer); contexts "
+            "cut from a repeated text would be the same text, and count as independent questions. Ask fewer "
+            "battery.contexts (and more battery.needles), shorter battery.lengths, or a larger haystack (haystack: folder)"
+        ) from None
     rng = random.Random(f"{cfg['seed']}/battery")
     return _single_prompts(lm, hay, s, rng, kind, style) if s["mode"] == "single" else _multi_key_contexts(lm, hay, s, rng, kind, style)
 
