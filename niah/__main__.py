@@ -129,7 +129,37 @@ def main(argv: list[str] | None = None) -> int:
     ) as err:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nniah: interrupted. Every row written so far is kept: run the same command again to resume.", file=sys.stderr)
+        return 130
+    except OSError as err:  # a full disk, a read-only or unwritable folder: one line, never a traceback
+        print(f"niah: error: {_os_problem(err)}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        from papermill.exceptions import PapermillExecutionError
+
+        if not isinstance(err, PapermillExecutionError):
+            raise
+        print(f"niah: error: a notebook failed at cell {err.exec_count}: {err.ename}: {err.evalue}", file=sys.stderr)
+        print("niah: the executed notebook, up to that cell, is in the run folder; rows written are kept", file=sys.stderr)
+        return 1
     return 0
+
+
+def _os_problem(err: OSError) -> str:
+    """One sentence for a file-system fault: what, where, and the fix."""
+    import errno
+
+    fixes = {
+        errno.ENOSPC: "the disk is full: free some space",
+        errno.EDQUOT: "the disk quota is used up: free some space",
+        errno.EROFS: "the file system is read-only: run where the run folder (papermill_runs/) can be written",
+        errno.EACCES: "permission denied: make the folder writable, or run elsewhere",
+        errno.EPERM: "permission denied: make the folder writable, or run elsewhere",
+    }
+    where = f" ({err.filename})" if err.filename else ""
+    fix = fixes.get(err.errno, err.strerror or str(err))
+    return f"{fix}{where}. Rows written before it are kept: rerun the same command to resume"
 
 
 def _record_environment(cfg: dict) -> None:

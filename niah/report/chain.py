@@ -34,6 +34,11 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     from ..results import hold_lock
 
     cfg = load_config(config)  # fails fast on a bad config, before any notebook starts
+    unknown = [o for o in only or [] if not any(nb.name.startswith(o) for nb in chain())]
+    if unknown:
+        raise FileNotFoundError(
+            f"no notebook starts with {', '.join(map(repr, unknown))}: choose among {', '.join(nb.name[:2] for nb in chain())}"
+        )
     name = cfg["name"]
     out = (run_root or ROOT / "papermill_runs") / name
     hold_lock(out, f"run folder {out}")
