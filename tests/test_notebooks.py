@@ -66,3 +66,25 @@ def test_the_report_drops_progress_bars_but_keeps_warnings():
     )
     out = _without_progress_bars(cell)["outputs"]
     assert [o["text"] for o in out] == ["UserWarning: torch.compile failed\n", "50%| printed on purpose\n"]
+
+
+def test_a_report_of_a_half_executed_chain_warns_and_says_so_at_the_top(tmp_path):
+    names = [nb.name for nb in chain()]
+    out = tmp_path / "smoke"
+    out.mkdir()
+
+    def executed(status: str, error: bool = False):
+        cell = nbformat.v4.new_code_cell("x = 1", metadata={"papermill": {"status": status}})
+        if error:
+            cell.outputs = [nbformat.v4.new_output("error", ename="RuntimeError", evalue="boom", traceback=[])]
+        return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Chapter zero"), cell])
+
+    nbformat.write(executed("completed"), out / names[0])
+    nbformat.write(executed("failed", error=True), out / names[1])
+    nbformat.write(executed("pending"), out / names[2])
+    with pytest.warns(UserWarning, match="incomplete") as seen:
+        html = report("smoke", run_root=tmp_path).read_text()
+    said = str(seen[0].message)
+    assert f"{names[1]} stopped at code cell 1 (an error)" in said and f"{names[2]} stopped at code cell 1 (pending)" in said
+    assert f"{names[3]} was not executed" in said and names[0] not in said
+    assert html.index("This report is incomplete") < html.index("Chapter zero")  # the banner comes first

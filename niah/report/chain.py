@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import warnings
 from pathlib import Path
 
 from ..config import ROOT, load_config
@@ -79,11 +80,18 @@ def report(config: str, run_root: Path | None = None) -> Path:
     executed = [out / nb.name for nb in chain() if (out / nb.name).exists()]
     if not executed:
         raise FileNotFoundError(f"no executed notebooks in {out}: run `make reproduce CONFIG={config}` first")
+    notebooks = {path: nbformat.read(path, as_version=4) for path in executed}
+    gaps = [f"{nb.name} was not executed" for nb in chain() if not (out / nb.name).exists()]
+    gaps += [f"{path.name} {why}" for path, nb in notebooks.items() if (why := _unfinished(nb))]
     merged = nbformat.v4.new_notebook()
-    merged.metadata = nbformat.read(executed[0], as_version=4).metadata
+    merged.metadata = notebooks[executed[0]].metadata
     merged.metadata["title"] = f"Needle retrieval under KV and weight quantization: config {config}"
-    for path in executed:
-        merged.cells.extend(_without_progress_bars(c) for c in nbformat.read(path, as_version=4).cells)
+    if gaps:
+        warnings.warn(f"the report of {config} is incomplete: {'; '.join(gaps)}", stacklevel=2)
+        banner = "**This report is incomplete.** " + "; ".join(gaps) + f". Rerun `make reproduce CONFIG={config}` to finish the chain."
+        merged.cells.append(nbformat.v4.new_markdown_cell(banner))
+    for nb in notebooks.values():
+        merged.cells.extend(_without_progress_bars(c) for c in nb.cells)
     exporter = HTMLExporter(exclude_input=True, embed_images=True)
     html, _ = exporter.from_notebook_node(merged)
     html = html.replace("</head>", PRINT_STYLE + "</head>", 1)
@@ -92,6 +100,15 @@ def report(config: str, run_root: Path | None = None) -> Path:
     tmp.write_text(html, encoding="utf-8")
     tmp.rename(target)
     return target
+
+
+def _unfinished(nb) -> str:
+    """Why an executed notebook did not run to its end (papermill's cell status, or an error output); "" if it did."""
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        status = cell.metadata.get("papermill", {}).get("status", "completed")
+        if status != "completed" or any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
+            return f"stopped at code cell {i + 1} ({'an error' if status in ('completed', 'failed') else status})"
+    return ""
 
 
 _PROGRESS = re.compile(r"\d+%\||IProgress not found|from \.autonotebook import")  # tqdm bars and their notebook warning
