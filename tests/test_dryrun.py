@@ -91,7 +91,7 @@ def test_the_dry_run_of_a_gpu_config_executes_its_whole_chain(tmp_path, config):
     path, _ = write_dry_config(config, tmp_path / "runs")
     times = reproduce(str(path), run_root=tmp_path / "runs", figures_root=tmp_path / "figs")
     out = tmp_path / "runs" / f"{config}-dry"
-    assert set(times) == {nb.name for nb in chain()} | {"total"}
+    assert set(times) >= {nb.name for nb in chain()} | {"total"}
     assert (out / "summary.md").exists() and (out / "timing.json").exists()
     assert list((tmp_path / "figs" / f"{config}-dry").glob("*.png"))
     print(f"dry run of {config}: {times['total']:.0f} s")

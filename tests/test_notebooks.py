@@ -88,3 +88,26 @@ def test_a_report_of_a_half_executed_chain_warns_and_says_so_at_the_top(tmp_path
     assert f"{names[1]} stopped at code cell 1 (an error)" in said and f"{names[2]} stopped at code cell 1 (pending)" in said
     assert f"{names[3]} was not executed" in said and names[0] not in said
     assert html.index("This report is incomplete") < html.index("Chapter zero")  # the banner comes first
+
+
+def test_a_resumed_chain_counts_the_interrupted_run_in_its_wall_time(tmp_path, monkeypatch):
+    import time
+
+    calls = []
+
+    def execute(src, dst, **_):
+        calls.append(dst)
+        time.sleep(0.3)
+        nbformat.write(nbformat.v4.new_notebook(), dst)
+        if len(calls) == 2:  # the first run is cut off in its second notebook
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("papermill.execute_notebook", execute)
+    with pytest.raises(KeyboardInterrupt):
+        reproduce("smoke", run_root=tmp_path, figures_root=tmp_path / "figs")
+    assert not (tmp_path / "smoke" / "timing.json").exists()
+    times = reproduce("smoke", run_root=tmp_path, figures_root=tmp_path / "figs")
+    (cut,) = times["interrupted_runs_s"]
+    assert 0.5 <= cut < 5 and times["total_with_interrupted"] == pytest.approx(times["total"] + cut, abs=0.11)
+    assert json.loads((tmp_path / "smoke" / "timing.json").read_text()) == times
+    assert not (tmp_path / "smoke" / "timing_attempt.json").exists()  # the next run starts a fresh count

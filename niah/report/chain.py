@@ -25,7 +25,8 @@ def run_dir(config: str, run_root: Path | None = None) -> Path:
 
 def reproduce(config: str, only: list[str] | None = None, run_root: Path | None = None, figures_root: Path | None = None) -> dict:
     """Execute every notebook (or those whose names start with ``only``) for ``config``; return wall times
-    (also written to ``timing.json``, or ``timing_partial.json`` for an ``only`` run).
+    (also written to ``timing.json``, or ``timing_partial.json`` for an ``only`` run).  A full run that resumes
+    interrupted ones adds their seconds (``interrupted_runs_s``, ``total_with_interrupted``).
 
     Executed notebooks and results go to ``papermill_runs/<config>/``, figures to ``figures/<config>/``
     (or under ``run_root`` and ``figures_root``).
@@ -45,6 +46,7 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     hold_lock(out, f"run folder {out}")
     out.mkdir(parents=True, exist_ok=True)
     params = {"config": config, "run_dir": str(out), "figures_dir": str((figures_root or ROOT / "figures") / name)}
+    interrupted = [] if only else _interrupted_runs(out)
     times = {}
     for nb in chain():
         if only and not any(nb.name.startswith(o) for o in only):
@@ -57,7 +59,10 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     if only and target.exists():  # partial runs add up: each notebook's latest time
         times = {**{k: v for k, v in json.loads(target.read_text()).items() if k != "total"}, **times}
     times["total"] = round(sum(v for k, v in times.items() if k != "total"), 1)
+    if interrupted:  # what the chain cost in all: the runs that were cut off, then resumed by this one
+        times |= {"interrupted_runs_s": interrupted, "total_with_interrupted": round(times["total"] + sum(interrupted), 1)}
     target.write_text(json.dumps(times, indent=1))
+    (out / ATTEMPT).unlink(missing_ok=True)
     if not only:
         from .summary import NoResults, summary_markdown
 
@@ -67,6 +72,24 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
             print(f"[reproduce {config}] no summary.md: {err}", flush=True)
     print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)
     return times
+
+
+ATTEMPT = "timing_attempt.json"  # a full chain run in progress: when it started, and the interrupted runs before it
+
+
+def _interrupted_runs(out: Path) -> list[float]:
+    """Seconds spent by earlier full runs of this folder that never finished (a kill, a crash, Ctrl-C), each
+    from its start to the last write of a notebook it executed; records this run's start in :data:`ATTEMPT`."""
+    attempt, runs = out / ATTEMPT, []
+    if attempt.exists():
+        try:
+            earlier = json.loads(attempt.read_text())
+            last = max([attempt.stat().st_mtime] + [(out / nb.name).stat().st_mtime for nb in chain() if (out / nb.name).exists()])
+            runs = [*earlier.get("interrupted_runs_s", []), round(max(0.0, last - earlier["started"]), 1)]
+        except (ValueError, KeyError, OSError):
+            runs = []  # an unreadable record: the wall time covers this run only
+    attempt.write_text(json.dumps({"started": time.time(), "interrupted_runs_s": runs}))
+    return runs
 
 
 def report(config: str, run_root: Path | None = None) -> Path:

@@ -55,9 +55,12 @@ def _header(run: RunDir, ok: pd.DataFrame) -> str:
     partial = run.path / "timing_partial.json"
     source = run.timing if run.timing.exists() else partial
     timing = json.loads(source.read_text()) if source.exists() else {}
-    per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in sorted(timing.items()) if k != "total")
     how = "" if source == run.timing else ", summed over separate `--only` runs"
+    per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in sorted(timing.items()) if k.endswith(".ipynb"))
     wall = f"{timing['total'] / 60:.1f} min of notebooks ({per_nb}{how})" if timing else "not recorded (no timing.json)"
+    if timing.get("interrupted_runs_s"):
+        cut = timing["interrupted_runs_s"]
+        wall += f", after {len(cut)} interrupted run(s) of {sum(cut) / 60:.1f} min: {timing['total_with_interrupted'] / 60:.1f} min in all"
     return (
         f"Config `{run.cfg['name']}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
         f"last row {ok['time'].max()}; machine: {machine}; chain wall time: {wall}."
