@@ -81,3 +81,18 @@ def test_chat_style_needs_a_chat_template():
     hay = tokenize_haystack(haystack_text("noise"), TOK, 500)
     with pytest.raises(ValueError, match="chat template"):
         build_cell(TOK, hay, 300, 0.5, make_trial(NeedleSpec(), random.Random(0)), "chat")
+
+
+def test_sentences_come_one_at_a_time_and_a_text_without_tokens_is_refused():
+    from niah.data.haystack import iter_sentences
+
+    pieces = iter_sentences("One. Two! " + "x" * 10_000_000)
+    assert next(pieces) == "One." and next(pieces) == " Two!"  # a generator: the rest of the text is not split
+    assert split_sentences(haystack_text("pydoc")[:5000]) == list(iter_sentences(haystack_text("pydoc")[:5000]))
+
+    class Silent:
+        def encode(self, text, add_special_tokens=False):
+            return []
+
+    with pytest.raises(ValueError, match="no tokens"):
+        tokenize_haystack("Some text.", Silent(), 10)

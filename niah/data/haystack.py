@@ -77,9 +77,21 @@ def haystack_text(name: str, folder: str | Path = "data/haystack") -> str:
     raise ValueError(f"unknown haystack {name!r}: choose pydoc, noise or folder")
 
 
+def iter_sentences(text: str):
+    """The pieces of :func:`split_sentences` one at a time, without splitting the rest of ``text`` (a 300 MB
+    haystack folder costs only the sentences a run tokenizes)."""
+    start = 0
+    for m in _SENTENCE_END.finditer(text):
+        if m.start() > start:
+            yield text[start : m.start()]
+        start = m.start()
+    if start < len(text):
+        yield text[start:]
+
+
 def split_sentences(text: str) -> list[str]:
     """Pieces that each start with their own leading whitespace, so BPE tokens never straddle two pieces."""
-    return [p for p in _SENTENCE_END.split(text) if p]
+    return list(iter_sentences(text))
 
 
 @dataclass
@@ -105,19 +117,21 @@ class HaystackTooShort(ValueError):
 def tokenize_haystack(text: str, tokenizer, n_tokens: int, repeat: bool = True) -> TokenHaystack:
     """Tokenize whole sentences until there are at least ``n_tokens`` tokens; repeat the text (with a warning) if
     short, or raise :class:`HaystackTooShort` when ``repeat`` is False."""
-    pieces = split_sentences(text)
-    if not pieces:
+    if not text:
         raise ValueError("the haystack text is empty")
     ids: list[int] = []
     starts: list[int] = []
     rounds = 0
     while len(ids) < n_tokens:
-        for piece in pieces:
+        before = len(ids)
+        for piece in iter_sentences(text):
             starts.append(len(ids))
             ids.extend(tokenizer.encode(piece, add_special_tokens=False))
             if len(ids) >= n_tokens:
                 break
         rounds += 1
+        if len(ids) == before:
+            raise ValueError("the haystack text tokenizes to no tokens at all")
         if len(ids) < n_tokens and not repeat:
             raise HaystackTooShort(f"the haystack holds {len(ids)} tokens, fewer than the {n_tokens} asked")
     if rounds > 1:
