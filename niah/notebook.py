@@ -88,6 +88,30 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
             paths += save(fig, figures_dir, f"heatmap_{style}_{method}")
             plt.show()
             plt.close(fig)
+        paths += _overview(part, cfg, style, figures_dir)
+    return paths
+
+
+def _overview(part: pd.DataFrame, cfg: dict, style: str, figures_dir: Path) -> list[Path]:
+    """Every method's accuracy heatmap in one figure, the reference first: ``heatmap_<style>_overview``."""
+    import matplotlib.pyplot as plt
+
+    from .report.plots import needle_heatmap, save
+
+    ref = cfg["niah"]["reference"]
+    methods = [m for m in dict.fromkeys([ref, *cfg["niah"]["methods"], *part["method"]]) if m in set(part["method"])]
+    cols = min(4, len(methods))
+    rows = -(-len(methods) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, method in zip(axes.flat, methods):
+        needle_heatmap(part, method, ax, title=method)
+    for ax in list(axes.flat)[len(methods) :]:
+        ax.set_axis_off()
+    fig.suptitle(f"needle accuracy by depth and length ({style} prompt), {cfg['name']}")
+    fig.tight_layout()
+    paths = save(fig, figures_dir, f"heatmap_{style}_overview")
+    plt.show()
+    plt.close(fig)
     return paths
 
 

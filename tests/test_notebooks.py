@@ -22,6 +22,7 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
     assert json.loads((runs / "environment.json").read_text())["python"]
     assert (runs / "niah_results.jsonl").stat().st_size > 0
     assert list((tmp_path / "figs" / "smoke").glob("heatmap_*.png"))
+    assert (tmp_path / "figs" / "smoke" / "heatmap_completion_overview.png").exists()  # every method in one figure
     for nb in chain():  # a figure cell shows its figure, never the paths it was saved to (this machine's, in every report)
         for c in nbformat.read(runs / nb.name, as_version=4).cells:
             shown = "".join(str(o.get("data", {}).get("text/plain", "")) + str(o.get("text", "")) for o in c.get("outputs", []))
