@@ -50,7 +50,9 @@ def device_map_check(lm) -> str:
     gpus = torch.cuda.device_count()
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(lm.model.config, dtype=next(lm.model.parameters()).dtype)
-    where = spread_map(skeleton, gpus)
+    where = spread_map(
+        skeleton, gpus, budget=torch.cuda.get_device_properties(0).total_memory
+    )  # the model is loaded: free memory would not hold it twice
     layers = [f"model.layers.{i}" for i in range(skeleton.config.num_hidden_layers)]
     per_gpu = pd.Series([where[max((k for k in where if _holds(k, name)), key=len)] for name in layers]).value_counts().sort_index()
     return f"device map over {gpus} GPU(s): " + ", ".join(f"GPU {i} holds {n} decoder layers" for i, n in per_gpu.items())
