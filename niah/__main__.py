@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     from .report.htmlcheck import ReportCheckError
     from .results import ResultsCorrupt, TableLocked
 
+    if getattr(args, "dry_run", False) and getattr(args, "cluster", None):
+        print("niah: error: a dry run runs in one process: drop --cluster (or --dry-run)", file=sys.stderr)
+        return 2
     if getattr(args, "cluster", None):
         import os
 
@@ -136,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"niah: error: {_os_problem(err)}", file=sys.stderr)
         return 2
     except Exception as err:
-        from papermill.exceptions import PapermillExecutionError
-
+        try:
+            from papermill.exceptions import PapermillExecutionError
+        except ImportError:
+            raise err from None
         if not isinstance(err, PapermillExecutionError):
             raise
         print(f"niah: error: a notebook failed at cell {err.exec_count}: {err.ename}: {err.evalue}", file=sys.stderr)
@@ -158,8 +163,9 @@ def _os_problem(err: OSError) -> str:
         errno.EPERM: "permission denied: make the folder writable, or run elsewhere",
     }
     where = f" ({err.filename})" if err.filename else ""
-    fix = fixes.get(err.errno, err.strerror or str(err))
-    return f"{fix}{where}. Rows written before it are kept: rerun the same command to resume"
+    if err.errno not in fixes:
+        return f"{err.strerror or err}{where}"
+    return f"{fixes[err.errno]}{where}. Rows written before it are kept: rerun the same command to resume"
 
 
 def _record_environment(cfg: dict) -> None:

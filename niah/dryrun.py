@@ -115,8 +115,8 @@ def tiny_spec(spec: dict) -> dict:
         fields["layer_types"] = types[:keep]
     if every.get("head_dim") is None:
         fields["head_dim"] = full.hidden_size // full.num_attention_heads
-    if fields.get("sliding_window"):
-        fields["sliding_window"] = max(16, fields["sliding_window"] // SCALE)
+    if every.get("sliding_window"):
+        fields["sliding_window"] = max(16, every["sliding_window"] // SCALE)
     out = {"source": "random", "architecture": full.model_type, "seed": 0, "dtype": spec.get("dtype", "float32"), "config": fields}
     if spec.get("rope_scaling"):
         out["rope_scaling"] = spec["rope_scaling"]

@@ -4,7 +4,7 @@ Random-weight Qwen3.5-35B-A3B in bf16, made on the GPU; notebook 04's sweep at 4
 ``turboquant_k8v4``.  It writes ``papermill_runs/gpu-check/`` (``sweep_results.jsonl``, ``environment.json``,
 ``gpu_check.md``) and prints the table: peak memory, KV bytes per layer type, TTFT and TPOT, with the machine
 named.  It also runs, once, the CUDA paths the CPU never takes and says that they ran: pynvml memory sampling
-(each row's ``trace_source``), CUDA timing (``torch.cuda.synchronize`` around each decode step) and an accelerate
+(each row's ``trace_source``), CUDA timing (``torch.cuda.synchronize`` after each decode step) and an accelerate
 device map over every visible GPU (:func:`niah.models.spread_map`, built for the model's architecture on the meta
 device).  ``--dry-run`` runs the same code on the CPU with a tiny model of the architecture
 (:mod:`niah.dryrun`); only the CUDA calls are skipped.
@@ -99,7 +99,7 @@ def gpu_check(dry_run: bool = False, run_root: Path | None = None) -> Path:
     t0 = time.perf_counter()
     lm = load_model(cfg["model"], device=cfg["device"])
     load_s = time.perf_counter() - t0
-    cuda = cfg["device"] == "cuda"
+    cuda = str(cfg["device"]).startswith("cuda")
     paths = [device_map_check(lm) if cuda else "device map: skipped (CPU dry run)"]
     run_sweep(cfg, lm, run.file("sweep"))
     rows = run.rows("sweep")
@@ -108,7 +108,7 @@ def gpu_check(dry_run: bool = False, run_root: Path | None = None) -> Path:
     table = summary_table(rows)
     readers = sorted(set(rows["trace_source"].dropna()))
     paths.append(f"memory sampling: {', '.join(readers)}")
-    paths.append("timing: torch.cuda.synchronize around every decode step" if cuda else "timing: CPU wall clock (dry run)")
+    paths.append("timing: torch.cuda.synchronize after every decode step" if cuda else "timing: CPU wall clock (dry run)")
     failed = rows[rows["status"] != "ok"]
     text = "\n".join(
         [

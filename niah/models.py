@@ -26,6 +26,7 @@ import importlib.metadata
 import os
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +61,8 @@ def cache_dir() -> Path:
     folder = Path(os.environ.get("NIAH_CACHE", Path.home() / ".cache" / "niah"))
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".writable-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable-"):
+            pass
     except OSError as err:
         raise ModelUnavailable(
             f"the cache folder {folder} cannot be used ({err.strerror}): set NIAH_CACHE to a writable folder, or fix that one's permissions"
@@ -290,7 +290,7 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
         if gpus > 1:
             from accelerate import dispatch_model
 
-            model = dispatch_model(model.to(dtype), spread_map(model, gpus))
+            model = dispatch_model(model, spread_map(model, gpus))
     else:
         folder, name, kwargs = _where(spec)
         try:

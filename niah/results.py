@@ -202,16 +202,20 @@ class ResultsTable:
         row = self._checked(row)
         if self.settings_hash is not None:
             row = {**row, "settings_hash": self.settings_hash}
-        line = json.dumps(row, ensure_ascii=False) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            end = f.tell()
+        data = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
             try:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+                view = memoryview(data)
+                while view:  # unbuffered: what reached the file is known, and nothing is retried at close
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
             except OSError:  # a full disk: take back the part of the row that got written, so the file stays whole
-                f.truncate(end)
+                os.ftruncate(fd, end)
                 raise
+        finally:
+            os.close(fd)
         if row.get("status") != "error":
             self.done.add(key)
 

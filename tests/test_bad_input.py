@@ -535,3 +535,20 @@ def test_a_cache_that_is_a_file_is_named_before_any_conversion(tmp_path, monkeyp
 def test_reproduce_of_a_notebook_that_does_not_exist_says_which_exist(capsys):
     assert main(["reproduce", "--config", "smoke", "--only", "99"]) == 2
     assert "no notebook starts with '99': choose among 00, 01, 02, 03, 04, 05" in capsys.readouterr().err
+
+
+def test_a_row_cut_off_half_way_by_a_full_disk_is_taken_back(tmp_path, monkeypatch):
+    table = ResultsTable(tmp_path / "t.jsonl", ("k",))
+    table.append({"k": 1, "status": "ok"})
+    before = (tmp_path / "t.jsonl").read_bytes()
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 100:
+            return real_write(fd, bytes(data[:100]))  # the disk takes part of the row ...
+        raise OSError(28, "No space left on device")  # ... then no more
+
+    monkeypatch.setattr("niah.results.os.write", half_then_full)
+    with pytest.raises(OSError):
+        table.append({"k": 2, "status": "ok", "text": "x" * 10_000})
+    assert (tmp_path / "t.jsonl").read_bytes() == before

@@ -95,3 +95,19 @@ def test_the_dry_run_of_a_gpu_config_executes_its_whole_chain(tmp_path, config):
     assert (out / "summary.md").exists() and (out / "timing.json").exists()
     assert list((tmp_path / "figs" / f"{config}-dry").glob("*.png"))
     print(f"dry run of {config}: {times['total']:.0f} s")
+
+
+def test_the_readme_counts_of_qwen3_5_weights_come_from_the_architecture():
+    """README: 34.7B weights (64.6 GiB in bf16), 32.2B of the decoder's 33.6B (96%) outside nn.Linear."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from niah.weightquant.salience import uncoded_weights
+
+    with init_empty_weights():
+        m = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_moe_text"))
+    total = sum(p.numel() for p in m.parameters())
+    decoder = sum(p.numel() for p in m.model.layers.parameters())
+    uncoded = sum(uncoded_weights(m).values())
+    assert (round(total / 1e9, 1), round(2 * total / 2**30, 1)) == (34.7, 64.6)
+    assert (round(uncoded / 1e9, 1), round(decoder / 1e9, 1), round(uncoded / decoder, 2)) == (32.2, 33.6, 0.96)

@@ -42,3 +42,18 @@ def test_gemma_finds_needles_at_4k_through_its_sliding_layers(tmp_path):
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert [r["score"] for r in rows] == [1.0, 1.0], [r["generated"] for r in rows]
     assert all(0 < r["kv_bytes_packed"] for r in rows)
+
+
+def test_pydoc_holds_the_gemma_tokens_the_cpu_battery_needs_side_by_side():
+    """README and configs/cpu.yaml: pydoc is 112,705 Gemma tokens; 5 contexts of 16K fit side by side, the old 10 did not."""
+    from transformers import AutoTokenizer
+
+    from niah.data.haystack import haystack_text
+    from niah.models import verified_gguf
+
+    gguf = verified_gguf(load_config("cpu")["model"])
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokens = len(tok.encode(haystack_text("pydoc"), add_special_tokens=False))
+    battery = load_config("cpu")["battery"]
+    assert tokens == 112_705
+    assert battery["contexts"] * max(battery["lengths"]) <= tokens < 10 * max(battery["lengths"])

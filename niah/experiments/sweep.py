@@ -154,7 +154,7 @@ def _run_steps(sink, lm, todo: dict[int, list[str]]) -> None:
     trial = make_trial(NeedleSpec(**{**cfg["niah"]["needle"], "variant": "single"}), random.Random(f"{cfg['seed']}/sweep"))
     cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")
     probe_from = cell.needle_at + len(lm.tokenizer.encode(needle_text(trial.kind, *trial.needles[0]), add_special_tokens=False))
-    cuda = cfg["device"] == "cuda"
+    cuda = str(cfg["device"]).startswith("cuda")
     for m in methods.values():  # compile the fused kernels before anything is timed
         warm_up(m, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
     layout = CacheLayout.from_config(lm.model.config)

@@ -62,8 +62,8 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     if interrupted:  # what the chain cost in all: the runs that were cut off, then resumed by this one
         times |= {"interrupted_runs_s": interrupted, "total_with_interrupted": round(times["total"] + sum(interrupted), 1)}
     target.write_text(json.dumps(times, indent=1))
-    (out / ATTEMPT).unlink(missing_ok=True)
     if not only:
+        (out / ATTEMPT).unlink(missing_ok=True)
         from .summary import NoResults, summary_markdown
 
         try:

@@ -171,6 +171,8 @@ def calibrate(
         ar.quantize()
     wall = time.perf_counter() - t0
     linears = {n: m for n, m in decoder_linears(work).items() if n in ours}  # not the expert linears auto-round unfused
+    if set(linears) != ours:
+        raise RuntimeError(f"auto-round replaced decoder linears with other modules: {sorted(ours - set(linears))[:3]}")
     skipped = sorted(n for n, m in linears.items() if not hasattr(m, "scale"))  # auto-round leaves some (Qwen3.5's gates) alone
     layers = {
         n: PackedLinear.from_qweight(
