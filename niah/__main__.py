@@ -6,6 +6,10 @@ import argparse
 import json
 import sys
 import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports torch-heavy modules only for the command it runs
+    from .config import Config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,27 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "cluster", None):
         import os
 
-        from .cluster import ENV
+        from .config import CLUSTER_ENV
 
-        os.environ[ENV] = args.cluster  # read by cluster_settings here and in the notebooks' kernels
+        os.environ[CLUSTER_ENV] = args.cluster  # read by load_config here and in the notebooks' kernels
     try:
         if args.cmd == "run":
-            from .config import load_config, validate
+            from .config import load_config
             from .experiments.battery import run_needles
             from .models import load_model
 
             cfg = load_config(args.config)
             if args.methods or args.lengths:
-                raw = {k: v for k, v in cfg.items() if k != "hash"}
-                section = "battery" if cfg["battery"] else "niah"
-                raw[section] = {
-                    **cfg[section],
-                    **({"methods": args.methods} if args.methods else {}),
-                    **({"lengths": args.lengths} if args.lengths else {}),
-                }
-                cfg = validate(raw, args.config)
+                section = "battery" if cfg.battery.present else "niah"
+                over = {k: v for k, v in (("methods", args.methods), ("lengths", args.lengths)) if v}
+                cfg = cfg.updated(section, **over)
             _record_environment(cfg)
-            path = run_needles(cfg, load_model(cfg["model"], device=cfg["device"]))
+            path = run_needles(cfg, load_model(cfg.model, device=cfg.device))
             print(f"results: {path}")
             _report_statuses(cfg)
         elif args.cmd == "reproduce":
@@ -168,7 +167,7 @@ def _os_problem(err: OSError) -> str:
     return f"{fixes[err.errno]}{where}. Rows written before it are kept: rerun the same command to resume"
 
 
-def _record_environment(cfg: dict) -> None:
+def _record_environment(cfg: Config) -> None:
     """Write the machine's record into the config's run folder, as notebook 00 does (``summary`` names the machine from it)."""
     from .env import environment_record
     from .notebook import save_json
@@ -179,7 +178,7 @@ def _record_environment(cfg: dict) -> None:
     save_json(environment_record(), folder / "environment.json")
 
 
-def _report_statuses(cfg: dict) -> None:
+def _report_statuses(cfg: Config) -> None:
     """Say on the terminal how the needle rows of ``cfg`` ended; when none is ``ok``, why (with the first reason)."""
     from .rundir import RunDir
 
@@ -218,7 +217,7 @@ def _bench_kv(args) -> None:
         from .data.haystack import haystack_text, tokenize_haystack
         from .models import load_model
 
-        lm = load_model(load_config("cpu")["model"])
+        lm = load_model(load_config("cpu").model)
         ids = tokenize_haystack(haystack_text("pydoc"), lm.tokenizer, args.hf_context).ids[: args.hf_context]
         print(f"\n# transformers' caches on {lm.name}, {args.hf_context}-token context, decode ms/token")
         print(bench.hf_quantized_cache(lm, ids).round(2).to_string(index=False))

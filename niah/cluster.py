@@ -1,6 +1,6 @@
 """Scale one config's independent cells out on Ray, with the driver as the only writer of its results tables.
 
-A config with a ``cluster:`` section (or a run given ``--cluster ADDRESS``, which sets :data:`ENV`) hands its
+A config with a ``cluster:`` section (or a run given ``--cluster ADDRESS``, which sets :data:`niah.config.CLUSTER_ENV`) hands its
 units of work to Ray actors: the needle battery (a unit is one (context, length) of single-needle prompts, or one
 multi-key context, each sharing one prefill), perplexity through the cache (a window) and the sweep (a length
 and method).  Each actor loads the config's model once, on one GPU, on CPU threads, or spread over
@@ -22,9 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .schema import ConfigError, section
-
-ENV = "NIAH_CLUSTER"  # a cluster address for every run of this process and its notebooks: local, auto or ray://host:port
+from .config import Config
 
 
 class ClusterError(RuntimeError):
@@ -43,27 +41,6 @@ class Unit:
     payload: Any
 
 
-def cluster_settings(cfg: dict) -> dict | None:
-    """The config's ``cluster:`` section over its defaults, with :data:`ENV`'s address where set (``local``: a
-    cluster started on this machine); None when neither asks for a cluster."""
-    given = os.environ.get(ENV, "").strip()
-    if not cfg.get("cluster") and not given:
-        return None
-    s = section(cfg, "cluster")
-    if given:
-        s["address"] = given
-    if s["address"] in ("", "local"):
-        s["address"] = None
-    if s["engine"] != "ray":
-        raise ConfigError(f"cluster.engine {s['engine']!r} is unknown: the only engine is ray")
-    if s["gpus_per_worker"] > 1 and not str(cfg.get("device", "cpu")).startswith("cuda"):
-        raise ConfigError(
-            f"cluster.gpus_per_worker {s['gpus_per_worker']} spreads one model over several GPUs, which needs "
-            f"device: cuda (this config has device: {cfg.get('device', 'cpu')}); set gpus_per_worker to 0 or 1"
-        )
-    return s
-
-
 def worker_name() -> str:
     """The name a single-process row records as its ``worker``: host and process id."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -80,7 +57,7 @@ def _ray():
 class _Worker:
     """A Ray actor holding one copy of the config's model (loaded on its first unit)."""
 
-    def __init__(self, cfg: dict, threads: int, gpus: int, name: str):
+    def __init__(self, cfg: Config, threads: int, gpus: int, name: str):
         import torch
 
         self.cfg, self.gpus, self.name, self.lm = cfg, max(1, gpus), name, None
@@ -90,7 +67,7 @@ class _Worker:
         from .models import load_model
 
         if self.lm is None:  # Ray gives the actor its own GPUs only (CUDA_VISIBLE_DEVICES), so they are 0..gpus-1
-            self.lm = load_model(self.cfg["model"], device=self.cfg["device"], gpus=self.gpus)
+            self.lm = load_model(self.cfg.model, device=self.cfg.device, gpus=self.gpus)
         module, function = unit.work.split(":")
         rows = getattr(importlib.import_module(module), function)(self.cfg, self.lm, unit.payload)
         return [{**r, "worker": self.name} for r in rows]
@@ -100,17 +77,18 @@ class Pool:
     """``workers`` Ray actors for one config, on the cluster at ``address`` (None: a local one started here and
     stopped on :meth:`close`).  Use as a context manager."""
 
-    def __init__(self, cfg: dict, s: dict):
+    def __init__(self, cfg: Config):
+        s = cfg.cluster
         ray = self.ray = _ray()
         self.started = not ray.is_initialized()
         if self.started:
             try:
-                if s["address"]:
-                    ray.init(address=s["address"], logging_level="ERROR", log_to_driver=False)
+                if s.address:
+                    ray.init(address=s.address, logging_level="ERROR", log_to_driver=False)
                 else:
                     ray.init(
-                        num_cpus=s["workers"] * s["cpus_per_worker"],
-                        num_gpus=s["workers"] * s["gpus_per_worker"],
+                        num_cpus=s.workers * s.cpus_per_worker,
+                        num_gpus=s.workers * s.gpus_per_worker,
                         include_dashboard=False,
                         logging_level="ERROR",
                         log_to_driver=False,
@@ -122,12 +100,12 @@ class Pool:
         self.actors = [
             actor.options(
                 name=f"niah-worker-{i}",
-                num_cpus=s["cpus_per_worker"],
-                num_gpus=s["gpus_per_worker"],
+                num_cpus=s.cpus_per_worker,
+                num_gpus=s.gpus_per_worker,
                 max_restarts=0,
                 max_task_retries=0,
-            ).remote(cfg, s["cpus_per_worker"], s["gpus_per_worker"], f"{host}/ray-worker-{i}")
-            for i in range(s["workers"])
+            ).remote(cfg, s.cpus_per_worker, s.gpus_per_worker, f"{host}/ray-worker-{i}")
+            for i in range(s.workers)
         ]
 
     def __enter__(self) -> Pool:
@@ -170,9 +148,9 @@ class Pool:
             yield rows
 
 
-def run_units(cfg: dict, s: dict, units: list[Unit], write: Callable[[list[dict]], None]) -> None:
+def run_units(cfg: Config, units: list[Unit], write: Callable[[list[dict]], None]) -> None:
     """Run ``units`` on a :class:`Pool` for ``cfg`` (cluster settings ``s``) and ``write`` each unit's rows as
     they arrive (the driver's table is the only writer)."""
-    with Pool(cfg, s) as pool:
+    with Pool(cfg) as pool:
         for rows in pool.run(units):
             write(rows)

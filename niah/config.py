@@ -1,22 +1,27 @@
-"""Configs: one YAML file per hardware setup under ``configs/``, validated with clear errors."""
+"""Configs: one YAML file per hardware setup under ``configs/``, loaded into one frozen, resolved :class:`Config`."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
+import os
 import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
+from .data.haystack import SOURCES, folder_files
+from .data.needles import NeedleSpec
 from .data.prompts import STYLES
-from .schema import NIAH, SECTIONS, TOP, ConfigError, check_types
+from .kv.registry import get_method
+from .schema import SECTIONS, Battery, Cluster, ConfigError, KVPerplexity, LlamaCpp, Niah, Sweep, Top, WeightQuant, check_types, filled
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
+CLUSTER_ENV = "NIAH_CLUSTER"  # a cluster address for every run of this process and its notebooks: local, auto, ray://...
 
-DEFAULTS = {**TOP, "niah": NIAH}
 REQUIRED = ("name", "model")
 # the keys a ``model:`` spec may hold, by source (see niah.models), besides the ones every source takes
 MODEL_KEYS = {
@@ -28,19 +33,6 @@ MODEL_KEYS = {
 }
 MODEL_OPTIONAL = ("source", "rope_scaling", "dtype")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def _merge(base: dict, over: dict, where: str, strict: bool) -> dict:
-    """``base`` updated with ``over``; with ``strict`` an unknown key is an error naming the valid ones."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if strict and k not in base:
-            raise ConfigError(f"unknown setting {where}{k!r}; valid settings here: {', '.join(sorted(base))}")
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            out[k] = _merge(base[k], v, f"{where}{k}.", strict=k == "niah")
-        else:
-            out[k] = v
-    return out
 
 
 def config_path(name: str) -> Path:
@@ -84,8 +76,8 @@ class _Loader(yaml.SafeLoader):
         return super().construct_document(node)
 
 
-def load_config(name: str) -> dict:
-    """Read ``configs/<name>.yaml`` (or a path), fill defaults, validate, and add ``hash``."""
+def load_config(name: str) -> Config:
+    """Read ``configs/<name>.yaml`` (or a path), fill defaults, validate: the resolved :class:`Config`."""
     path = config_path(name)
     try:
         raw = yaml.load(path.read_text(), Loader=_Loader) or {}
@@ -98,60 +90,108 @@ def load_config(name: str) -> dict:
     return validate(raw, str(path))
 
 
-def validate(raw: dict, where: str = "config") -> dict:
-    """Defaults filled in and every setting checked; raises :class:`ConfigError`."""
-    missing = [k for k in REQUIRED if k not in raw]
-    if missing:
-        raise ConfigError(f"{where}: missing required setting(s) {', '.join(missing)}")
-    cfg = _merge(
-        {
-            **DEFAULTS,
-            "name": None,
-            "model": {},
-            "description": "",
-            **{name: {} for name in SECTIONS},
-            "weight_model": None,
-        },
-        raw,
-        "",
-        strict=True,
-    )
+@dataclass(frozen=True)
+class Config(Top):
+    """A loaded config: the top-level settings (:class:`~niah.schema.Top`) and every section filled, checked and
+    resolved (``cfg.battery.methods`` has the reference first; ``cfg.battery.present`` says whether the YAML asks
+    for a battery).  ``raw``: the settings as written, over the top-level and ``niah`` defaults; the config and
+    table hashes and the dry run read it.  ``hash``: :func:`config_hash` of it."""
+
+    niah: Niah = field(default_factory=Niah)
+    battery: Battery = field(default_factory=Battery)
+    sweep: Sweep = field(default_factory=Sweep)
+    kv_perplexity: KVPerplexity = field(default_factory=KVPerplexity)
+    llamacpp: LlamaCpp = field(default_factory=LlamaCpp)
+    weightquant: WeightQuant = field(default_factory=WeightQuant)
+    cluster: Cluster = field(default_factory=Cluster)
+    hash: str = ""
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def weights(self) -> dict:
+        """The model spec of the weight-quantization notebooks (01, 02): ``weight_model:`` if set, else ``model:``."""
+        return self.weight_model or self.model
+
+    def updated(self, section: str, **settings) -> Config:
+        """This config with ``settings`` written over its ``section`` (a top-level setting where ``section`` is
+        ``""``), loaded again: checked and resolved as any other config."""
+        raw = copy.deepcopy(self.raw)
+        if section:
+            raw[section] = {**raw[section], **settings}
+        else:
+            raw.update(settings)
+        return validate(raw, self.name)
+
+
+def validate(raw: dict, where: str = "config") -> Config:
+    """``raw`` (a config's YAML as a mapping) with its defaults filled in, every setting checked and every section
+    resolved; raises :class:`ConfigError` naming the file, the setting and the fix."""
     try:
-        check_types("", DEFAULTS, {k: cfg[k] for k in DEFAULTS})
+        return _resolve(raw, where)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
-    name = cfg["name"]
+    except (ValueError, TypeError) as err:  # a method name or needle spec that its own module refused
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _resolve(raw: dict, where: str) -> Config:
+    missing = [k for k in REQUIRED if k not in raw]
+    if missing:
+        raise ConfigError(f"missing required setting(s) {', '.join(missing)}")
+    unknown = sorted(set(raw) - {*Top.settings(), *SECTIONS})
+    if unknown:
+        raise ConfigError(f"unknown setting {unknown[0]!r}; valid settings here: {', '.join(sorted({*Top.settings(), *SECTIONS}))}")
+    top = {**Top.defaults(), **{k: copy.deepcopy(v) for k, v in raw.items() if k in Top.settings()}}
+    check_types("", Top, {k: top[k] for k in ("device", "threads", "seed", "haystack", "haystack_folder")})
+    name = top["name"]
     if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise ConfigError(
-            f"{where}: name must be one folder name of letters, digits, '.', '_' or '-' (it names papermill_runs/<name>/); got {name!r}"
+            f"name must be one folder name of letters, digits, '.', '_' or '-' (it names papermill_runs/<name>/); got {name!r}"
         )
-    for section in ("model", "weight_model"):
-        if cfg[section] is not None or section == "model":
-            _check_model(cfg[section], f"{where}: {section}")
-    n = cfg["niah"]
-    if any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0 for d in n["depths"]):
-        raise ConfigError(f"{where}: niah.depths must be numbers in [0, 1] (0 = start of the context, 1 = its end); got {n['depths']}")
-    bad = [s for s in n["prompt_styles"] if s not in STYLES]
-    if bad:
-        raise ConfigError(f"{where}: unknown prompt style(s) {bad}; choose from {list(STYLES)}")
-    from .data.needles import NeedleSpec
-    from .kv.registry import get_method
-
-    try:
-        for m in [n["reference"], *n["methods"]]:
+    for key in ("model", "weight_model"):
+        if top[key] is not None or key == "model":
+            check_model(top[key], key)
+    niah = _niah(raw.get("niah", {}))
+    _check_haystack(top["haystack"], top["haystack_folder"])
+    given = {s: raw.get(s, {}) for s in SECTIONS if s != "niah"}
+    sections = {s: cls(present=bool(given[s]), **filled(s, given[s])) for s, cls in SECTIONS.items() if s != "niah"}
+    battery = sections["battery"].resolved(niah)
+    resolved = dict(
+        niah=niah,
+        battery=battery,
+        sweep=sections["sweep"].resolved(niah),
+        kv_perplexity=sections["kv_perplexity"].resolved(niah),
+        llamacpp=sections["llamacpp"].resolved(battery),
+        weightquant=sections["weightquant"].resolved(),
+        cluster=sections["cluster"].resolved(top["device"], os.environ.get(CLUSTER_ENV, "").strip()),
+    )
+    for section in resolved.values():
+        for m in getattr(section, "methods", None) or []:
             get_method(m)
-        NeedleSpec(**n["needle"])
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"{where}: {err}") from None
-    if n["reference"] not in n["methods"]:
-        n["methods"] = [n["reference"], *n["methods"]]
-    _check_haystack(cfg, where)
-    _check_sections(cfg, where)
-    cfg["hash"] = config_hash(cfg)
-    return cfg
+    body = {**top, "niah": {k: copy.deepcopy(getattr(niah, k)) for k in Niah.settings()}, **given}
+    return Config(**top, **resolved, hash=config_hash(body), raw=body)
 
 
-def _check_model(spec, where: str) -> None:
+def _niah(given) -> Niah:
+    """The ``niah:`` section: always filled (every experiment reads it), its methods with the reference first."""
+    if not isinstance(given, dict):
+        raise ConfigError(f"niah must be a mapping of settings; got {given!r}")
+    unknown = sorted(set(given) - set(Niah.settings()))
+    if unknown:
+        raise ConfigError(f"unknown setting niah.{unknown[0]!r}; valid settings here: {', '.join(sorted(Niah.settings()))}")
+    n = Niah(present=True, **filled("niah", given))
+    if any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0 for d in n.depths):
+        raise ConfigError(f"niah.depths must be numbers in [0, 1] (0 = start of the context, 1 = its end); got {n.depths}")
+    bad = [s for s in n.prompt_styles if s not in STYLES]
+    if bad:
+        raise ConfigError(f"unknown prompt style(s) {bad}; choose from {list(STYLES)}")
+    for m in [n.reference, *n.methods]:
+        get_method(m)
+    NeedleSpec(**n.needle)
+    return n if n.reference in n.methods else replace(n, methods=[n.reference, *n.methods])
+
+
+def check_model(spec, where: str) -> None:
     """A ``model:`` spec names a known source and only the keys that source reads."""
     if not isinstance(spec, dict):
         raise ConfigError(f"{where} must be a mapping such as {{source: package, package: ..., file: ..., sha256: ...}}")
@@ -167,58 +207,25 @@ def _check_model(spec, where: str) -> None:
         raise ConfigError(f"{where}: source {source} needs {', '.join(missing)}")
     rope = spec.get("rope_scaling")
     if rope is not None and not (isinstance(rope, dict) and "rope_type" in rope):
-        raise ConfigError(f"{where}: rope_scaling must be a mapping with rope_type, e.g. {{rope_type: yarn, factor: 2.0}}; got {rope!r}")
+        raise ConfigError(
+            f"{where}: rope_scaling must be a mapping with rope_type, e.g. {{rope_type: yarn, factor: 2.0}}; got {rope!r}"
+        )
 
 
-def _check_haystack(cfg: dict, where: str) -> None:
+def _check_haystack(haystack: str, folder: str) -> None:
     """The haystack source exists and (for ``folder``) its files decode, before any run folder is made."""
-    from .data.haystack import SOURCES, folder_files
-
-    if cfg["haystack"] not in SOURCES:
-        raise ConfigError(f"{where}: unknown haystack {cfg['haystack']!r}; choose one of {', '.join(SOURCES)}")
-    if cfg["haystack"] == "folder":
-        folder = Path(cfg["haystack_folder"])
+    if haystack not in SOURCES:
+        raise ConfigError(f"unknown haystack {haystack!r}; choose one of {', '.join(SOURCES)}")
+    if haystack == "folder":
+        path = Path(folder)
         try:
-            folder_files(folder if folder.is_absolute() else ROOT / folder)
+            folder_files(path if path.is_absolute() else ROOT / path)
         except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(f"{where}: {err}") from None
+            raise ConfigError(str(err)) from None
 
 
-def _check_sections(cfg: dict, where: str) -> None:
-    """Every section is read with its defaults once now, so a typo fails at load, not an hour into a run."""
-    from .experiments.battery import battery_settings
-    from .experiments.kvppl import kv_perplexity_settings
-    from .experiments.llamacpp import llamacpp_settings
-    from .experiments.sweep import sweep_settings
-    from .kv.registry import get_method
-    from .weightquant.settings import settings as weightquant_settings
-
-    try:
-        for section, read in (
-            ("battery", battery_settings),
-            ("sweep", sweep_settings),
-            ("kv_perplexity", kv_perplexity_settings),
-            ("weightquant", weightquant_settings),
-            ("llamacpp", llamacpp_settings),
-        ):
-            if not isinstance(cfg[section], dict):
-                raise ConfigError(f"{section} must be a mapping of settings; got {cfg[section]!r}")
-            methods = read(cfg).get("methods", [])
-            for m in methods or []:
-                get_method(m)
-        from .cluster import cluster_settings
-
-        cluster_settings(cfg)
-    except (ValueError, TypeError) as err:  # ConfigError included
-        raise ConfigError(f"{where}: {err}") from None
-
-
-def config_hash(cfg: dict) -> str:
-    """12 hex digits of the sha256 of the config's canonical JSON (without the hash itself and ``cluster:``)."""
-    body = {k: v for k, v in cfg.items() if k not in ("hash", "cluster")}  # where cells run does not change their rows
+def config_hash(body: dict) -> str:
+    """12 hex digits of the sha256 of a config's settings as canonical JSON (``cluster:`` left out: where cells run
+    does not change their rows)."""
+    body = {k: v for k, v in body.items() if k not in ("hash", "cluster")}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def weight_model(cfg: dict) -> dict:
-    """The model spec of the weight-quantization notebooks (01, 02): ``weight_model:`` if set, else ``model:``."""
-    return cfg["weight_model"] or cfg["model"]

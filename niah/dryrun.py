@@ -18,9 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from .config import ROOT, ConfigError, load_config
-
-SCALE = 16  # lengths are divided by it: 32768 -> 2048, 4096 -> 256
+from .config import ROOT, Config, ConfigError, load_config
+from .schema import SCALE, SECTIONS, filled
 
 # The text architecture of hub models whose config.json this machine may not have (no network); field values from
 # each model's config.json on the hub.  Qwen3.5-35B-A3B's text model is transformers' Qwen3_5MoeTextConfig defaults.
@@ -123,80 +122,38 @@ def tiny_spec(spec: dict) -> dict:
     return out
 
 
-def _short(n: int) -> int:
-    return max(1, int(n) // SCALE)
-
-
-def _at_most(part: dict, limits: dict) -> None:
-    for key, limit in limits.items():
-        if isinstance(part.get(key), int):
-            part[key] = min(part[key], limit)
-
-
-def _scaled(part: dict, lists: tuple = (), ints: tuple = ()) -> None:
-    for key in lists:
-        if part.get(key) is not None:
-            part[key] = [_short(n) for n in part[key]]
-    for key in ints:
-        if part.get(key) is not None:
-            part[key] = _short(part[key])
-
-
-WEIGHTQUANT_LIMITS = {  # notebooks 01 and 02 at seconds a scheme
-    "calibration": {"samples": 4, "seqlen": 64, "sample_tokens": 128},
-    "evaluation": {"windows": 2, "length": 128, "batch": 2},
-    "autoround": {"iters": 2, "samples": 4, "seqlen": 64, "batch_size": 4},
-    "autoround_check": {"blocks": 1, "iters": 4},
-    "needle": {"contexts": 1, "needles": 2},
+ALWAYS = ("niah", "weightquant")  # sections the chain runs whether or not the YAML has them (grid, notebooks 01, 02)
+LEFT_OUT = {  # sections a dry run drops, and why
+    "llamacpp": "llama.cpp reads the model's GGUF, which a random model has not",
+    "cluster": "it runs in one process",
 }
 
 
-def dry_config(cfg: dict) -> tuple[dict, list[str]]:
+def shrunk(name: str, settings: dict) -> dict:
+    """Section ``name``'s filled ``settings`` as a dry run asks them: each setting through the ``dry`` rule that
+    :mod:`niah.schema` declares for it."""
+    rules = {k: m["dry"] for k, m in SECTIONS[name].settings().items()}
+    return {k: rules[k](v) if rules[k] and v is not None else v for k, v in settings.items()}
+
+
+def dry_config(cfg: Config) -> tuple[dict, list[str]]:
     """``cfg`` (a loaded config) rewritten for a CPU dry run, with every section it asks filled in; and what the
     dry run leaves out, in words."""
-    from .schema import section
-
-    dry = {"name": f"{cfg['name']}-dry"}
-    dry |= {k: copy.deepcopy(v) for k, v in cfg.items() if k not in ("hash", "name")}
+    dry = {"name": f"{cfg.name}-dry"}
+    dry |= {k: copy.deepcopy(v) for k, v in cfg.raw.items() if k != "name"}
     dry["description"] = (
-        f"Dry run of {cfg['name']} on the CPU (niah.dryrun): a tiny random model of its architecture; its answers mean nothing."
+        f"Dry run of {cfg.name} on the CPU (niah.dryrun): a tiny random model of its architecture; its answers mean nothing."
     )
     dry["device"] = "cpu"
-    dry["threads"] = min(int(cfg["threads"]), os.cpu_count() or 1)
+    dry["threads"] = min(int(cfg.threads), os.cpu_count() or 1)
     for key in ("model", "weight_model"):
-        if cfg.get(key):
-            dry[key] = tiny_spec(cfg[key])
-    _scaled(dry["niah"], lists=("lengths",), ints=("prefill_chunk", "engine_chunk"))
-    _at_most(dry["niah"], {"trials": 1})
-    depths = sorted(dry["niah"]["depths"])
-    dry["niah"]["depths"] = sorted({depths[0], depths[len(depths) // 2], depths[-1]})  # both ends and the middle
-    if cfg["battery"]:
-        dry["battery"] = b = section(cfg, "battery")
-        _scaled(b, lists=("lengths",))
-        _at_most(b, {"contexts": 2, "needles": 2})
-    if cfg["sweep"]:
-        dry["sweep"] = s = section(cfg, "sweep")
-        _scaled(s, lists=("lengths",))
-        _at_most(s, {"decode_steps": 4})
-        if s.get("cold_warm"):
-            _scaled(s["cold_warm"], ints=("target", "warmup"))
-            _at_most(s["cold_warm"], {"repeats": 2})
-    if cfg["kv_perplexity"]:
-        dry["kv_perplexity"] = p = section(cfg, "kv_perplexity")
-        _scaled(p, ints=("context", "continuation"))
-        _at_most(p, {"windows": 2})
-    dry["weightquant"] = w = section(cfg, "weightquant")
-    for key, limits in WEIGHTQUANT_LIMITS.items():
-        w[key] = {k: v if w[key].get(k) is None else min(w[key][k], v) for k, v in limits.items()} | {
-            k: v for k, v in w[key].items() if k not in limits
-        }
-    _scaled(w, lists=("needle_lengths",))
-    _at_most(w, {"awq_grid": 5, "generate_tokens": 32, "group": 64})
-    left_out = []
-    for key, why in (("llamacpp", "llama.cpp reads the model's GGUF, which a random model has not"), ("cluster", "it runs in one process")):
-        if dry.get(key):
-            left_out.append(f"{key}: ({why})")
-        dry[key] = {}
+        if cfg.raw.get(key):
+            dry[key] = tiny_spec(cfg.raw[key])
+    for name in SECTIONS:
+        if name not in LEFT_OUT and (getattr(cfg, name).present or name in ALWAYS):
+            dry[name] = shrunk(name, filled(name, cfg.raw[name]))
+    left_out = [f"{key}: ({why})" for key, why in LEFT_OUT.items() if dry.get(key)]
+    dry |= {key: {} for key in LEFT_OUT}
     return dry, left_out
 
 

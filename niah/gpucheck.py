@@ -92,14 +92,14 @@ def gpu_check(dry_run: bool = False, run_root: Path | None = None) -> Path:
     from .rundir import RunDir
 
     cfg = check_config(dry_run)
-    run = RunDir(cfg, run_root / cfg["name"] if run_root else None)  # papermill_runs/gpu-check[-dry]/
+    run = RunDir(cfg, run_root / cfg.name if run_root else None)  # papermill_runs/gpu-check[-dry]/
     run.path.mkdir(parents=True, exist_ok=True)
     env = environment_record()
     save_json(env, run.path / "environment.json")
     t0 = time.perf_counter()
-    lm = load_model(cfg["model"], device=cfg["device"])
+    lm = load_model(cfg.model, device=cfg.device)
     load_s = time.perf_counter() - t0
-    cuda = str(cfg["device"]).startswith("cuda")
+    cuda = str(cfg.device).startswith("cuda")
     paths = [device_map_check(lm) if cuda else "device map: skipped (CPU dry run)"]
     run_sweep(cfg, lm, run.file("sweep"))
     rows = run.rows("sweep")
@@ -114,7 +114,7 @@ def gpu_check(dry_run: bool = False, run_root: Path | None = None) -> Path:
         [
             f"# gpu-check{' (dry run on the CPU: the numbers mean nothing)' if dry_run else ''}",
             "",
-            f"Model {lm.name} ({cfg['model']['dtype']}), made in {load_s:.0f} s; machine: {machine_line(env)}; commit {env['git_commit']}.",
+            f"Model {lm.name} ({cfg.model['dtype']}), made in {load_s:.0f} s; machine: {machine_line(env)}; commit {env['git_commit']}.",
             "",
             *(f"- {p}" for p in paths),
             f"- rows not ok: {len(failed)}" + (f" ({', '.join(sorted(set(failed['status'])))})" if len(failed) else ""),

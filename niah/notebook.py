@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .config import ROOT, load_config, weight_model
+from .config import ROOT, Config, load_config
 from .rundir import RunDir, settings_hash
 
 
@@ -16,21 +16,21 @@ def setup(config: str, run_dir: str | None = None, figures_dir: str | None = Non
     """Load the config; resolve (and create) the run and figure folders."""
     cfg = load_config(config)
     run = RunDir(cfg, run_dir)
-    figs = Path(figures_dir) if figures_dir else ROOT / "figures" / cfg["name"]
+    figs = Path(figures_dir) if figures_dir else ROOT / "figures" / cfg.name
     run.path.mkdir(parents=True, exist_ok=True)
     figs.mkdir(parents=True, exist_ok=True)
     import torch
 
-    torch.set_num_threads(cfg["threads"])
+    torch.set_num_threads(cfg.threads)
     return cfg, run, figs
 
 
-def load(cfg: dict, role: str = "needles"):
+def load(cfg: Config, role: str = "needles"):
     """The config's model for ``role``: ``needles`` (``model:``, notebooks 00, 03, 04) or ``weights``
     (``weight_model:`` where the config names one, else ``model:``; notebooks 01 and 02)."""
     from .models import load_model
 
-    return load_model(weight_model(cfg) if role == "weights" else cfg["model"], device=cfg["device"])
+    return load_model(cfg.weights if role == "weights" else cfg.model, device=cfg.device)
 
 
 def save_json(obj, path: Path) -> None:
@@ -46,7 +46,7 @@ def show_record(record: dict) -> pd.DataFrame:
     return pd.DataFrame({"value": flat})
 
 
-def model_card(lm, cfg: dict) -> pd.DataFrame:
+def model_card(lm, cfg: Config) -> pd.DataFrame:
     """Architecture facts that set the KV-cache size, and that size per token."""
     c = lm.model.config
     layers, kv_heads = c.num_hidden_layers, getattr(c, "num_key_value_heads", c.num_attention_heads)
@@ -61,27 +61,27 @@ def model_card(lm, cfg: dict) -> pd.DataFrame:
         "head dim": lm.head_dim,
         "trained context (tokens)": lm.native_context,
         "allowed context (tokens)": lm.max_context,
-        "RoPE scaling": json.dumps(cfg["model"].get("rope_scaling")),
+        "RoPE scaling": json.dumps(cfg.model.get("rope_scaling")),
         "fp16 KV bytes per token": per_token,
-        "fp16 KV MiB at the longest length": round(per_token * max(cfg["niah"]["lengths"]) / 2**20, 1),
+        "fp16 KV MiB at the longest length": round(per_token * max(cfg.niah.lengths) / 2**20, 1),
     }
     return pd.DataFrame({"value": facts})
 
 
-def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
+def heatmaps(df: pd.DataFrame, cfg: Config, figures_dir: Path) -> list[Path]:
     """One accuracy heatmap per method, with a difference-from-reference panel for the others; saved as PNG and SVG."""
     import matplotlib.pyplot as plt
 
     from .report.plots import needle_heatmap, save
 
-    ref = cfg["niah"]["reference"]
+    ref = cfg.niah.reference
     paths = []
     for style in sorted(df["prompt_style"].unique()):
         part = df[df["prompt_style"] == style]
-        for method in [m for m in dict.fromkeys([*cfg["niah"]["methods"], *part["method"]]) if m in set(part["method"])]:
+        for method in [m for m in dict.fromkeys([*cfg.niah.methods, *part["method"]]) if m in set(part["method"])]:
             panels = 1 if method == ref else 2
             fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 4.2), squeeze=False)
-            needle_heatmap(part, method, axes[0][0], title=f"{method} ({style} prompt), {cfg['name']}")
+            needle_heatmap(part, method, axes[0][0], title=f"{method} ({style} prompt), {cfg.name}")
             if panels == 2:
                 needle_heatmap(part, method, axes[0][1], diff_from=ref)
             fig.tight_layout()
@@ -92,14 +92,14 @@ def heatmaps(df: pd.DataFrame, cfg: dict, figures_dir: Path) -> list[Path]:
     return paths
 
 
-def _overview(part: pd.DataFrame, cfg: dict, style: str, figures_dir: Path) -> list[Path]:
+def _overview(part: pd.DataFrame, cfg: Config, style: str, figures_dir: Path) -> list[Path]:
     """Every method's accuracy heatmap in one figure, the reference first: ``heatmap_<style>_overview``."""
     import matplotlib.pyplot as plt
 
     from .report.plots import needle_heatmap, save
 
-    ref = cfg["niah"]["reference"]
-    methods = [m for m in dict.fromkeys([ref, *cfg["niah"]["methods"], *part["method"]]) if m in set(part["method"])]
+    ref = cfg.niah.reference
+    methods = [m for m in dict.fromkeys([ref, *cfg.niah.methods, *part["method"]]) if m in set(part["method"])]
     cols = min(4, len(methods))
     rows = -(-len(methods) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
@@ -107,7 +107,7 @@ def _overview(part: pd.DataFrame, cfg: dict, style: str, figures_dir: Path) -> l
         needle_heatmap(part, method, ax, title=method)
     for ax in list(axes.flat)[len(methods) :]:
         ax.set_axis_off()
-    fig.suptitle(f"needle accuracy by depth and length ({style} prompt), {cfg['name']}")
+    fig.suptitle(f"needle accuracy by depth and length ({style} prompt), {cfg.name}")
     fig.tight_layout()
     paths = save(fig, figures_dir, f"heatmap_{style}_overview")
     plt.show()
@@ -115,15 +115,14 @@ def _overview(part: pd.DataFrame, cfg: dict, style: str, figures_dir: Path) -> l
     return paths
 
 
-def perplexity_breakdown(cfg: dict, table: pd.DataFrame, figures_dir: Path) -> list[Path]:
-    """The loss-breakdown figure of :func:`~niah.experiments.kvppl.perplexity_table`'s ``table`` (keys, values,
+def perplexity_breakdown(cfg: Config, table: pd.DataFrame, figures_dir: Path) -> list[Path]:
+    """The loss-breakdown figure of :func:`~niah.report.tables.perplexity_table`'s ``table`` (keys, values,
     full and sliding layers alone), when the config asks for ``kv_perplexity.breakdown``; saved as PNG and SVG."""
     import matplotlib.pyplot as plt
 
-    from .experiments.kvppl import kv_perplexity_settings
     from .report.plots import loss_breakdown, save
 
-    parts = kv_perplexity_settings(cfg)["parts"]
+    parts = cfg.kv_perplexity.parts
     if not parts:
         return []
     fig = loss_breakdown(table, parts)
@@ -133,11 +132,11 @@ def perplexity_breakdown(cfg: dict, table: pd.DataFrame, figures_dir: Path) -> l
     return paths
 
 
-def cold_warm(cfg: dict, run: RunDir) -> pd.DataFrame | str:
+def cold_warm(cfg: Config, run: RunDir) -> pd.DataFrame | str:
     """Run (once per sweep settings) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks for."""
     from .experiments.sweep import cold_vs_warm
 
-    spec = cfg.get("sweep", {}).get("cold_warm")
+    spec = cfg.sweep.cold_warm
     if not spec:
         return "not measured: this config sets no sweep.cold_warm {target, warmup}"
     runs = json.loads(run.cold_warm.read_text()) if run.cold_warm.exists() else {}
@@ -152,7 +151,7 @@ def cold_warm(cfg: dict, run: RunDir) -> pd.DataFrame | str:
     )
 
 
-def claims_ledger(cfg: dict, run: RunDir) -> pd.DataFrame:
+def claims_ledger(cfg: Config, run: RunDir) -> pd.DataFrame:
     """Gather this run's evidence, compute every verdict, and save the ledger as CSV and Markdown."""
     from .report.analysis import kv_value_share
     from .report.claims import gather_evidence, ledger

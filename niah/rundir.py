@@ -15,74 +15,50 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ROOT
+from .config import ROOT, Config
 from .results import ResultsTable, current_rows, read_rows
+from .schema import KVPPL, LLAMACPP, NEEDLES, SWEEP, WEIGHT_NEEDLES, WEIGHTS, hashed_settings
 
-COMMON = ("model", "seed", "haystack", "haystack_folder", "device")
 NEEDLE_KEY = ("config", "model", "prompt_style", "length", "depth", "trial", "method")
 
 
 @dataclass(frozen=True)
 class TableKind:
+    """A results table: its ``file``, the fields that identify a row, and the fields of an ``ok`` row that must not
+    be NaN (a NaN one makes it an error row).  The settings its rows depend on are declared with each setting
+    (:func:`niah.schema.hashed_settings`)."""
+
+    name: str
     file: str
     key: tuple[str, ...]
-    hashed: tuple[str, ...]  # config settings (``section`` or ``section.key``) the rows depend on
-    ignored: tuple[str, ...] = ()  # settings inside ``hashed`` that only choose which rows exist
-    nan_free: tuple[str, ...] = ()  # fields of an ``ok`` row that must not be NaN (a NaN one makes it an error row)
+    nan_free: tuple[str, ...] = ()
+
+    @property
+    def hashed(self) -> tuple[str, ...]:
+        """Config settings (``section`` or ``section.key``) the rows depend on."""
+        return hashed_settings(self.name)[0]
+
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        """Settings inside ``hashed`` that only choose which rows exist."""
+        return hashed_settings(self.name)[1]
 
 
 TABLES = {
-    "needles": TableKind(
-        "niah_results.jsonl",
-        NEEDLE_KEY,
-        (*COMMON, "niah", "battery"),
-        ("niah.methods", "niah.lengths", "niah.depths", "niah.trials", "niah.prompt_styles", "battery.methods"),
-        ("answer_logprob", "kl_vs_ref"),
-    ),
-    "sweep": TableKind(
-        "sweep_results.jsonl",
-        ("config", "model", "method", "length"),
-        (*COMMON, "threads", "sweep", "niah.reference", "niah.prefill_chunk", "niah.needle"),
-        ("sweep.methods", "sweep.lengths"),
-    ),
-    "kv_perplexity": TableKind(
-        "kv_perplexity.jsonl",
-        ("config", "model", "method", "window"),
-        (*COMMON, "kv_perplexity", "niah.reference", "niah.prefill_chunk", "niah.engine_chunk", "weightquant.calibration_share"),
-        ("kv_perplexity.methods", "kv_perplexity.breakdown", "kv_perplexity.breakdown_methods"),
-        ("nll_sum", "kl_vs_ref"),
-    ),
-    "weightquant": TableKind(
-        "weightquant_results.jsonl",
-        ("config", "model", "scheme"),
-        (*COMMON, "weight_model", "weightquant"),
-        ("weightquant.kv_methods",),
-        ("ppl",),
-    ),
-    "weightquant_needles": TableKind(
-        "weightquant_niah.jsonl",
-        ("config", "model", "weights", "prompt_style", "length", "depth", "trial", "method"),
-        (*COMMON, "weight_model", "weightquant", "niah", "battery"),
-        (
-            "niah.methods",
-            "niah.lengths",
-            "niah.depths",
-            "niah.trials",
-            "niah.prompt_styles",
-            "battery.methods",
-            "weightquant.kv_methods",
-            "weightquant.needle_lengths",
-            "weightquant.needle_schemes",
+    t.name: t
+    for t in (
+        TableKind(NEEDLES, "niah_results.jsonl", NEEDLE_KEY, ("answer_logprob", "kl_vs_ref")),
+        TableKind(SWEEP, "sweep_results.jsonl", ("config", "model", "method", "length")),
+        TableKind(KVPPL, "kv_perplexity.jsonl", ("config", "model", "method", "window"), ("nll_sum", "kl_vs_ref")),
+        TableKind(WEIGHTS, "weightquant_results.jsonl", ("config", "model", "scheme"), ("ppl",)),
+        TableKind(
+            WEIGHT_NEEDLES,
+            "weightquant_niah.jsonl",
+            ("config", "model", "weights", "prompt_style", "length", "depth", "trial", "method"),
+            ("answer_logprob",),
         ),
-        ("answer_logprob",),
-    ),
-    "llamacpp": TableKind(
-        "llamacpp_results.jsonl",
-        NEEDLE_KEY,
-        (*COMMON, "threads", "niah", "battery", "llamacpp"),
-        ("niah.methods", "niah.lengths", "niah.depths", "niah.trials", "battery.methods", "llamacpp.kv", "llamacpp.rotation"),
-        ("answer_logprob", "kl_vs_ref"),
-    ),
+        TableKind(LLAMACPP, "llamacpp_results.jsonl", NEEDLE_KEY, ("answer_logprob", "kl_vs_ref")),
+    )
 }
 
 
@@ -92,53 +68,46 @@ def _kind(kind: str) -> TableKind:
     return TABLES[kind]
 
 
-def _setting(cfg: dict, dotted: str):
+def _setting(raw: dict, dotted: str):
     section, _, key = dotted.partition(".")
-    value = cfg.get(section)
+    value = raw.get(section)
     return (value or {}).get(key) if key else value
 
 
-def settings_hash(cfg: dict, kind: str) -> str:
-    """12 hex digits identifying the settings that rows of table ``kind`` depend on."""
+def settings_hash(cfg: Config, kind: str) -> str:
+    """12 hex digits identifying the settings that rows of table ``kind`` depend on, as the YAML wrote them
+    (``cfg.raw``: a setting written out at its default hashes apart from one left out)."""
     spec = _kind(kind)
     body = {}
     for dotted in spec.hashed:
-        value = _setting(cfg, dotted)
+        value = _setting(cfg.raw, dotted)
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if f"{dotted}.{k}" not in spec.ignored}
         body[dotted] = value
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def open_table(cfg: dict, kind: str, path: str | Path) -> ResultsTable:
+def open_table(cfg: Config, kind: str, path: str | Path) -> ResultsTable:
     """The resumable, locked table of ``kind`` at ``path`` for ``cfg``'s current settings."""
     spec = _kind(kind)
     return ResultsTable(path, spec.key, settings_hash(cfg, kind), spec.nan_free)
 
 
-def selection(cfg: dict, kind: str) -> dict[str, dict[str, set]]:
+def selection(cfg: Config, kind: str) -> dict[str, dict[str, set]]:
     """The values of the row fields that ``cfg`` selects for table ``kind``, per source of rows: ``{"battery":
     {"method": {...}, "length": {...}}, "grid": {...}}`` for needle rows (a battery row names its ``context``), one
     ``"all"`` entry for the sweep and perplexity rows; empty (the other tables): every row counts.  Rows of a
     method or length dropped from the config stay in the file but out of tables."""
-    n, ref = cfg["niah"], cfg["niah"]["reference"]
-    if kind == "needles":
-        from .experiments.battery import battery_settings
-
-        grid = {"method": {ref, *n["methods"]}, "length": set(n["lengths"])}
-        if not cfg.get("battery"):
+    n, b = cfg.niah, cfg.battery
+    if kind == NEEDLES:
+        grid = {"method": {n.reference, *n.methods}, "length": set(n.lengths)}
+        if not b.present:
             return {"grid": grid}
-        b = battery_settings(cfg)
-        return {"grid": grid, "battery": {"method": set(b["methods"]), "length": set(b["lengths"])}}
-    if kind == "sweep":
-        from .experiments.sweep import sweep_settings
-
-        s = sweep_settings(cfg)
-        return {"all": {"method": set(s["methods"]), "length": set(s["lengths"])}}
-    if kind == "kv_perplexity":
-        from .experiments.kvppl import kv_perplexity_settings
-
-        return {"all": {"method": set(kv_perplexity_settings(cfg)["methods"])}}
+        return {"grid": grid, "battery": {"method": set(b.methods), "length": set(b.lengths)}}
+    if kind == SWEEP:
+        return {"all": {"method": set(cfg.sweep.methods), "length": set(cfg.sweep.lengths)}}
+    if kind == KVPPL:
+        return {"all": {"method": set(cfg.kv_perplexity.methods)}}
     return {}
 
 
@@ -147,7 +116,7 @@ def _selected(row: dict, chosen: dict[str, dict[str, set]]) -> bool:
     return all(row.get(field) in values for field, values in chosen.get(source, {}).items())
 
 
-def load_table(cfg: dict, kind: str, path: str | Path):
+def load_table(cfg: Config, kind: str, path: str | Path):
     """The rows of table ``kind`` at ``path`` that belong to ``cfg``'s current settings and :func:`selection`, as a
     DataFrame (each row key once; a warning says what was left out)."""
     import pandas as pd
@@ -166,9 +135,9 @@ def load_table(cfg: dict, kind: str, path: str | Path):
 class RunDir:
     """The folder of one config's run and the names of everything in it."""
 
-    def __init__(self, cfg: dict, folder: str | Path | None = None):
+    def __init__(self, cfg: Config, folder: str | Path | None = None):
         self.cfg = cfg
-        self.path = Path(folder) if folder else ROOT / "papermill_runs" / cfg["name"]
+        self.path = Path(folder) if folder else ROOT / "papermill_runs" / cfg.name
 
     def file(self, kind: str) -> Path:
         return self.path / _kind(kind).file

@@ -20,7 +20,7 @@ def tiny(smoke_cfg):
     from niah.models import load_model
 
     torch.set_num_threads(1)
-    return load_model(smoke_cfg["model"])
+    return load_model(smoke_cfg.model)
 
 
 @pytest.fixture
@@ -51,12 +51,9 @@ def killed_after(monkeypatch):
 @pytest.fixture
 def smoke_with(smoke_cfg):
     """``smoke_with(section, **settings)``: the smoke config with ``settings`` over its ``section``, validated."""
-    from niah.config import validate
 
     def make(section, **settings):
-        raw = {k: v for k, v in smoke_cfg.items() if k != "hash"}
-        raw[section] = {**smoke_cfg[section], **settings}
-        return validate(raw)
+        return smoke_cfg.updated(section, **settings)
 
     return make
 

@@ -21,7 +21,7 @@ from niah.rundir import NEEDLE_KEY, load_table, settings_hash
 
 
 def _raw(cfg: dict, **changes) -> dict:
-    raw = {k: v for k, v in copy.deepcopy(cfg).items() if k != "hash"}
+    raw = copy.deepcopy(cfg.raw)
     for k, v in changes.items():
         raw[k] = {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v
     return raw
@@ -120,7 +120,7 @@ def test_an_edited_config_redoes_its_rows_and_tables_show_only_the_new_ones(smok
     path = tmp_path / "r.jsonl"
     old = _small(smoke_cfg)
     run_grid(old, tiny, path, progress=False)
-    new = _small(smoke_cfg, model={**smoke_cfg["model"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    new = _small(smoke_cfg, model={**smoke_cfg.model, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     run_grid(new, tiny, path, progress=False)
     assert len(read_rows(path)) == 4
     with pytest.warns(UserWarning, match="2 rows from other settings"):
@@ -368,7 +368,7 @@ def test_a_yaml_alias_that_contains_itself_is_refused_in_one_line(tmp_path):
 def test_ordinary_yaml_anchors_still_load_and_python_tags_stay_refused(tmp_path):
     path = tmp_path / "anchors.yaml"
     path.write_text("name: anchors\nmodel: {source: random}\nniah: {methods: &m [fp16, q8_0]}\nbattery: {methods: *m}\n")
-    assert load_config(str(path))["battery"]["methods"] == ["fp16", "q8_0"]
+    assert load_config(str(path)).battery.methods == ["fp16", "q8_0"]
     path.write_text('name: x\nmodel: {source: random}\ndescription: !!python/object/apply:os.system ["true"]\n')
     with pytest.raises(ConfigError, match="is not valid YAML"):
         load_config(str(path))
@@ -424,7 +424,7 @@ def test_a_damaged_middle_line_names_it_and_repair_keeps_the_rows_before(tmp_pat
 
 
 def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_path, smoke_cfg, runs_in, capsys):
-    model = {**smoke_cfg["model"], "config": {**smoke_cfg["model"]["config"], "max_position_embeddings": 128}}
+    model = {**smoke_cfg.model, "config": {**smoke_cfg.model["config"], "max_position_embeddings": 128}}
     battery = {"lengths": [256], "contexts": 1, "needles": 1, "methods": ["fp16"]}  # `niah run` asks the battery's questions
     path = _write_config(tmp_path, smoke_cfg, model=model, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"]}, battery=battery)
     assert main(["run", "--config", str(path)]) == 0
@@ -477,7 +477,7 @@ def test_a_bad_cluster_section_fails_at_load(smoke_cfg, cluster, says):
 
 def test_the_cluster_section_changes_no_hash(smoke_cfg):
     on = validate(_raw(smoke_cfg, cluster={"workers": 4, "gpus_per_worker": 0}))
-    assert on["hash"] == smoke_cfg["hash"] and settings_hash(on, "needles") == settings_hash(smoke_cfg, "needles")
+    assert on.hash == smoke_cfg.hash and settings_hash(on, "needles") == settings_hash(smoke_cfg, "needles")
 
 
 # 9. faults of the machine: interrupts, file systems, the cache

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from niah.data.haystack import haystack_text, tokenize_haystack
-from niah.experiments.battery import battery_settings, build_context, centred_depths, run_battery, spread_depths
+from niah.experiments.battery import build_context, centred_depths, run_battery, spread_depths
 from niah.kv.layout import UnsupportedLayout
 from niah.report.stats import paired_table
 from niah.results import read_rows
@@ -97,8 +97,8 @@ def test_single_needle_prompts_hold_one_needle_and_match_a_fresh_prefill(tmp_pat
     from niah.kv.registry import get_method
 
     hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 1024 * 2)
-    s = battery_settings(cfg)
-    prompts = _single_prompts(tiny, hay, s, random.Random(f"{cfg['seed']}/battery"), "number", "completion")
+    s = cfg.battery
+    prompts = _single_prompts(tiny, hay, s, random.Random(f"{cfg.seed}/battery"), "number", "completion")
     ids, q = prompts[1][-1]
     assert tiny.tokenizer.decode(ids).count("special magic number") == 2  # the intro's and the needle's
     fresh = PackedCache.from_states(context_states(prefill(tiny.model, ids, chunk=100)), get_method("fp16"))
@@ -117,11 +117,11 @@ def test_centred_depths_keep_every_needle_off_both_ends(tmp_path, smoke_with, ti
 
 def test_bad_battery_settings_and_windows_longer_than_the_context_say_so(tmp_path, smoke_with, hybrid):
     with pytest.raises(ValueError, match="unknown battery setting"):
-        battery_settings(_battery_cfg(smoke_with, needle=3))
+        _battery_cfg(smoke_with, needle=3).battery
     with pytest.raises(ValueError, match="unknown battery mode"):
-        battery_settings(_battery_cfg(smoke_with, mode="many"))
+        _battery_cfg(smoke_with, mode="many").battery
     with pytest.raises(ValueError, match="unknown battery depths 'middle'"):
-        battery_settings(_battery_cfg(smoke_with, depths="middle"))
+        _battery_cfg(smoke_with, depths="middle").battery
     with pytest.raises(ValueError, match="do not fit"):
         build_context(hybrid.tokenizer, tokenize_haystack(haystack_text("pydoc"), hybrid.tokenizer, 3000), [256], 6, random.Random(0))
     if hybrid.model.config.model_type == "gemma3_text":

@@ -32,7 +32,7 @@ def local_cluster():
 @pytest.fixture(scope="module")
 def smoke():
     cfg = load_config("smoke")
-    return cfg, load_model(cfg["model"])
+    return cfg, load_model(cfg.model)
 
 
 def _rows(path):
@@ -52,7 +52,7 @@ def _measured(r):
 def test_cluster_rows_equal_one_process(local_cluster, smoke, tmp_path):
     cfg, lm = smoke
     one = run_battery(cfg, lm, tmp_path / "one.jsonl", progress=False)
-    many = run_battery(cfg, lm, tmp_path / "many.jsonl", progress=False, cluster=CLUSTER)
+    many = run_battery(cfg.updated("cluster", **CLUSTER), lm, tmp_path / "many.jsonl", progress=False)
     a, b = {_key(r): r for r in _rows(one)}, {_key(r): r for r in _rows(many)}
     assert len(a) == len(_rows(one)) == 32 and a.keys() == b.keys()
     assert all(_measured(a[k]) == _measured(b[k]) for k in a)
@@ -64,7 +64,7 @@ def test_cluster_rows_equal_one_process(local_cluster, smoke, tmp_path):
 def test_sweep_and_perplexity_rows_equal_one_process(local_cluster, smoke, tmp_path, run, key):
     cfg, lm = smoke
     one = run(cfg, lm, tmp_path / "one.jsonl", progress=False)
-    many = run({**cfg, "cluster": CLUSTER}, lm, tmp_path / "many.jsonl", progress=False)
+    many = run(cfg.updated("cluster", **CLUSTER), lm, tmp_path / "many.jsonl", progress=False)
     a, b = ({tuple(r[k] for k in key): r for r in _rows(p)} for p in (one, many))
     assert len(a) == len(_rows(one)) == len(_rows(many)) > 6 and a.keys() == b.keys()
     assert all(_measured(a[k]) == _measured(b[k]) for k in a)
@@ -86,7 +86,7 @@ def test_unit_of_a_killed_worker_runs_once_on_another(local_cluster, smoke, tmp_
         yield from rows
 
     monkeypatch.setattr(cluster.Pool, "run", kill_after_first)
-    path = run_battery(cfg, lm, tmp_path / "t.jsonl", progress=False, cluster=CLUSTER)
+    path = run_battery(cfg.updated("cluster", **CLUSTER), lm, tmp_path / "t.jsonl", progress=False)
     counts = Counter(_key(r) for r in _rows(path))
     assert killed and len(counts) == 32 and set(counts.values()) == {1}
 
@@ -106,7 +106,7 @@ DRIVER = textwrap.dedent(
     Experiment.write_from_worker = write_then_die
     cfg = load_config("smoke")
     cluster = {"engine": "ray", "address": None, "workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}
-    run_battery(cfg, load_model(cfg["model"]), sys.argv[1], progress=False, cluster=cluster)
+    run_battery(cfg.updated("cluster", **cluster), load_model(cfg.model), sys.argv[1], progress=False)
     """
 )
 
@@ -119,7 +119,7 @@ def test_killed_driver_resumes_with_no_row_lost_or_doubled(local_cluster, smoke,
     assert done.returncode == -9, done.stderr.decode()[-2000:]
     before = len(_rows(path))
     assert 0 < before < 32
-    run_battery(cfg, lm, path, progress=False, cluster=CLUSTER)
+    run_battery(cfg.updated("cluster", **CLUSTER), lm, path, progress=False)
     counts = Counter(_key(r) for r in _rows(path))
     assert len(counts) == 32 and set(counts.values()) == {1}
 
@@ -128,7 +128,7 @@ def test_many_small_units_each_come_back_once(local_cluster, smoke):
     from niah.cluster import Pool, Unit
 
     cfg, _ = smoke
-    with Pool(cfg, CLUSTER) as pool:
+    with Pool(cfg.updated("cluster", **CLUSTER)) as pool:
         units = [Unit(f"empty {i}", i, "niah.experiments.clusterbench:noop", i) for i in range(120)]
         done = [row for rows in pool.run(units) for row in rows]
     assert sorted(r["payload"] for r in done) == list(range(120))

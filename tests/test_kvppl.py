@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from niah.config import ConfigError
-from niah.experiments.kvppl import kv_perplexity_settings, perplexity_table, run_kv_perplexity
+from niah.experiments.kvppl import run_kv_perplexity
+from niah.report.tables import perplexity_table
 from niah.results import read_rows
 from niah.rundir import TABLES
 
@@ -16,7 +17,7 @@ KEY = TABLES["kv_perplexity"].key
 def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_with, tiny, tmp_path):
     cfg = smoke_with("kv_perplexity")
     rows = read_rows(run_kv_perplexity(cfg, tiny, tmp_path / "p.jsonl", progress=False))
-    s = cfg["kv_perplexity"]
+    s = cfg.kv_perplexity
     assert len(rows) == s["windows"] * len(s["methods"])
     for r in rows:
         assert r["scored_tokens"] == s["continuation"] - 1 and r["nll_sum"] > 0
@@ -41,7 +42,7 @@ def test_a_killed_run_resumes_without_duplicates(smoke_with, tiny, tmp_path, kil
     assert len(first) == 5
     rows = read_rows(run_kv_perplexity(cfg, tiny, path, progress=False))
     keys = [tuple(r[k] for k in KEY) for r in rows]
-    assert len(keys) == len(set(keys)) == 2 * len(cfg["kv_perplexity"]["methods"])
+    assert len(keys) == len(set(keys)) == 2 * len(cfg.kv_perplexity.methods)
     again = {(r["method"], r["window"]): r["nll_sum"] for r in rows}
     assert all(again[(r["method"], r["window"])] == r["nll_sum"] for r in first)  # the resumed window's reference is recomputed alike
 
@@ -85,7 +86,7 @@ def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
     lm = load_model(HYBRID_SPECS["gemma3"])
     methods = ["fp16", "q4_0", "turboquant_k3v4_nc+all_layers"]
     cfg = smoke_with("kv_perplexity", methods=methods, windows=2, breakdown=["keys", "values", "full", "sliding"])
-    s = kv_perplexity_settings(cfg)
+    s = cfg.kv_perplexity
     assert s["parts"]["q4_0+sliding"] == ("q4_0", "sliding") and "turboquant_k3v4_nc+all_layers+full" not in s["parts"]
     assert s["parts"]["turboquant_k3v4_nc+all_layers+keys"] == ("turboquant_k3v4_nc+all_layers", "keys")
     rows = {r["method"]: r for r in read_rows(run_kv_perplexity(cfg, lm, tmp_path / "p.jsonl", progress=False)) if r["window"] == 0}
@@ -104,15 +105,15 @@ def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
 
 def test_breakdown_parts_are_checked(smoke_with):
     with pytest.raises(ConfigError, match="unknown kv_perplexity.breakdown part"):
-        kv_perplexity_settings(smoke_with("kv_perplexity", breakdown=["key"]))
+        smoke_with("kv_perplexity", breakdown=["key"]).kv_perplexity
     with pytest.raises(ConfigError, match=r"breakdown_methods \['q8_0'\] are not in kv_perplexity.methods"):
-        kv_perplexity_settings(smoke_with("kv_perplexity", methods=["fp16", "q4_0"], breakdown=["keys"], breakdown_methods=["q8_0"]))
+        smoke_with("kv_perplexity", methods=["fp16", "q4_0"], breakdown=["keys"], breakdown_methods=["q8_0"]).kv_perplexity
 
 
 def test_breakdown_methods_choose_which_listed_methods_get_rows(smoke_with):
     cfg = smoke_with("kv_perplexity", methods=["fp16", "q4_0", "q8_0"], breakdown=["keys", "values"], breakdown_methods=["q4_0"])
-    s = kv_perplexity_settings(cfg)
+    s = cfg.kv_perplexity
     assert s["parts"] == {"q4_0+keys": ("q4_0", "keys"), "q4_0+values": ("q4_0", "values")}
     assert s["methods"] == ["fp16", "q4_0", "q8_0", "q4_0+keys", "q4_0+values"]
     preset = smoke_with("kv_perplexity", methods=["fp16", "turboquant_k3v4_nc"], breakdown=["keys", "full", "sliding"])
-    assert list(kv_perplexity_settings(preset)["parts"]) == ["turboquant_k3v4_nc+keys"]  # it codes full-attention layers only
+    assert list(preset.kv_perplexity.parts) == ["turboquant_k3v4_nc+keys"]  # it codes full-attention layers only

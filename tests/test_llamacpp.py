@@ -1,21 +1,26 @@
 """llama.cpp side by side: settings, the agreement and speed tables, the ledger's llama.cpp clauses, and (slow, with
 the ``[llamacpp]`` extra installed, as CI has it) llama.cpp itself on the Gemma GGUF against this repo's answers."""
 
+import copy
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 
-from niah.experiments.llamacpp import agreement_table, cross_check, llamacpp_settings, run_llamacpp, speed_table, variants
+from niah.experiments.llamacpp import cross_check, run_llamacpp, variants
 from niah.report.claims import Evidence, _llamacpp_note
+from niah.report.tables import agreement_table, speed_table
+from niah.schema import Battery
 
 
 def test_settings_name_bad_cache_types_and_need_the_f16_reference(smoke_with):
     with pytest.raises(ValueError, match="unknown llama.cpp cache type"):
-        llamacpp_settings(smoke_with("llamacpp", kv=["f16", "q5_1"]))
+        smoke_with("llamacpp", kv=["f16", "q5_1"]).llamacpp
     with pytest.raises(ValueError, match="must include f16"):
-        llamacpp_settings(smoke_with("llamacpp", kv=["q8_0"]))
+        smoke_with("llamacpp", kv=["q8_0"]).llamacpp
     with pytest.raises(ValueError, match="unknown llamacpp setting"):
-        llamacpp_settings(smoke_with("llamacpp", threads=3))
-    s = llamacpp_settings(smoke_with("llamacpp", kv=["f16", "q8_0"]))
+        smoke_with("llamacpp", threads=3).llamacpp
+    s = smoke_with("llamacpp", kv=["f16", "q8_0"]).llamacpp
     assert variants(s) == [("lcpp_f16", "f16", False), ("lcpp_q8_0", "q8_0", True), ("lcpp_q8_0_norot", "q8_0", False)]
 
 
@@ -78,7 +83,7 @@ def test_the_summary_shows_the_side_by_side_tables_when_llamacpp_ran(tmp_path, s
     for kind, file, rows in (("needles", "niah_results.jsonl", ours), ("llamacpp", "llamacpp_results.jsonl", lcpp)):
         table = open_table(smoke_cfg, kind, tmp_path / file)
         for r in rows:
-            table.append({"config": smoke_cfg["name"], "model": "m", "git_commit": "c", "time": "t", "bits_per_value": 16, **r})
+            table.append({"config": smoke_cfg.name, "model": "m", "git_commit": "c", "time": "t", "bits_per_value": 16, **r})
     text = summary_markdown(smoke_cfg, tmp_path)
     assert "**llama.cpp side by side**" in text and "| lcpp_q8_0 " in text and "decode_vs_f16" in text
 
@@ -95,14 +100,14 @@ def test_a_config_without_a_battery_skips_the_cross_check_and_says_why(monkeypat
     import niah.experiments.llamacpp as lc
 
     monkeypatch.setattr(lc, "installed", lambda: True)
-    cfg = {**smoke_cfg, "model": {**smoke_cfg["model"], "source": "package"}, "battery": None}
+    cfg = replace(smoke_cfg, model={**smoke_cfg.model, "source": "package"}, battery=Battery())
     assert cross_check(cfg, None, None) is None
     assert "has no battery: section" in capsys.readouterr().out
 
 
 def test_run_llamacpp_without_a_battery_refuses_rather_than_ask_default_questions(smoke_cfg):
     with pytest.raises(ValueError, match="has no battery: section"):
-        run_llamacpp({**smoke_cfg, "battery": None}, None)
+        run_llamacpp(replace(smoke_cfg, battery=Battery()), None)
 
 
 @pytest.mark.slow
@@ -114,12 +119,12 @@ def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs
     from niah.models import load_model
     from niah.rundir import load_table
 
-    raw = {k: v for k, v in load_config("cpu").items() if k != "hash"}
-    raw["model"] = load_config(which)["model"]
+    raw = copy.deepcopy(load_config("cpu").raw)
+    raw["model"] = load_config(which).model
     raw["battery"] = {**raw["battery"], "lengths": [1024], "contexts": 1, "needles": 3, "methods": ["fp16", "q8_0"]}
     raw["llamacpp"] = {"lengths": [1024], "contexts": 1, "kv": ["f16", "q8_0"], "rotation": [True]}
     cfg = validate(raw)
-    lm = load_model(cfg["model"])
+    lm = load_model(cfg.model)
     from niah.experiments.llamacpp import run_llamacpp
 
     ours = load_table(cfg, "needles", run_battery(cfg, lm, tmp_path / "n.jsonl", progress=False))

@@ -21,8 +21,8 @@ def _grid_cfg(model: dict, length: int, depths: list[float]) -> dict:
 def test_smollm2_finds_a_needle_at_1k_deterministically(tmp_path):
     from niah.models import load_model
 
-    cfg = _grid_cfg(load_config("quick")["model"], 1024, [0.5])
-    lm = load_model(cfg["model"])
+    cfg = _grid_cfg(load_config("quick").model, 1024, [0.5])
+    lm = load_model(cfg.model)
     assert lm.native_context == 8192 and lm.max_context == 8192
     first = read_rows(run_grid(cfg, lm, tmp_path / "a.jsonl", progress=False))
     second = read_rows(run_grid(cfg, lm, tmp_path / "b.jsonl", progress=False))
@@ -35,8 +35,8 @@ def test_gemma_finds_needles_at_4k_through_its_sliding_layers(tmp_path):
     """Two cells share the haystack prefix: the grid crops the second cell's tokens off the sliding layers."""
     from niah.models import load_model
 
-    cfg = _grid_cfg(load_config("cpu")["model"], 4096, [0.5, 0.75])
-    lm = load_model(cfg["model"])
+    cfg = _grid_cfg(load_config("cpu").model, 4096, [0.5, 0.75])
+    lm = load_model(cfg.model)
     assert lm.native_context == 32768 and "sliding_attention" in lm.model.config.layer_types
     rows = read_rows(run_grid(cfg, lm, tmp_path / "g.jsonl", progress=False))
     assert [r["status"] for r in rows] == ["ok", "ok"]
@@ -51,9 +51,9 @@ def test_pydoc_holds_the_gemma_tokens_the_cpu_battery_needs_side_by_side():
     from niah.data.haystack import haystack_text
     from niah.models import verified_gguf
 
-    gguf = verified_gguf(load_config("cpu")["model"])
+    gguf = verified_gguf(load_config("cpu").model)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokens = len(tok.encode(haystack_text("pydoc"), add_special_tokens=False))
-    battery = load_config("cpu")["battery"]
+    battery = load_config("cpu").battery
     assert tokens == 112_705
     assert battery["contexts"] * max(battery["lengths"]) <= tokens < 10 * max(battery["lengths"])

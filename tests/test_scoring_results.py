@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from niah.experiments.scoring import answer_ended, string_match_all, wilson_interval
+from niah.experiments.scoring import answer_ended, string_match_all
+from niah.report.stats import wilson_interval
 from niah.results import ResultsTable, read_rows
 
 

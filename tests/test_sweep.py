@@ -13,7 +13,7 @@ KEY = TABLES["sweep"].key
 def test_sweep_rows_bytes_timings_and_traces(smoke_with, tiny, tmp_path):
     cfg = smoke_with("sweep")
     rows = read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))
-    assert len(rows) == len(cfg["sweep"]["lengths"]) * len(cfg["sweep"]["methods"])
+    assert len(rows) == len(cfg.sweep.lengths) * len(cfg.sweep.methods)
     assert {r["status"] for r in rows} == {"ok"}
     fp16 = sorted((r for r in rows if r["method"] == "fp16"), key=lambda r: r["length"])
     fit = polyfit([r["length"] for r in fp16], [r["kv_bytes"] for r in fp16], 1)
@@ -45,7 +45,7 @@ def test_a_killed_sweep_resumes_without_duplicates(smoke_with, tiny, tmp_path, k
     assert len(read_rows(path)) == 3
     rows = read_rows(run_sweep(cfg, tiny, path, progress=False))
     keys = [tuple(r[k] for k in KEY) for r in rows]
-    assert len(keys) == len(set(keys)) == len(cfg["sweep"]["lengths"]) * len(cfg["sweep"]["methods"])
+    assert len(keys) == len(set(keys)) == len(cfg.sweep.lengths) * len(cfg.sweep.methods)
 
 
 def test_unknown_sweep_setting_is_named(smoke_with, tiny, tmp_path):
@@ -88,3 +88,13 @@ def test_paired_tpot_ratio_ignores_a_machine_that_slows_down(monkeypatch):
     assert {m: r["tpot_vs_ref"] for m, r in out.items()} == pytest.approx(cost)
     assert out["q8_0"]["tpot_median_s"] == pytest.approx(0.8 * 2)  # the median of 8 fast and 8 slow steps
     assert calls[:3] == ["fp16", "q8_0", "turbo3"] and calls[3:6] == ["q8_0", "turbo3", "fp16"]  # order rotates
+
+
+def test_engine_read_methods_run_through_the_sweep(smoke_with, tiny, tmp_path):
+    """The sweep stores a ``name@engine`` method with the config's prompt chunk (it gave none, and failed at its
+    first length), from a one-token context up."""
+    cfg = smoke_with("sweep", lengths=[1, 256], methods=["q8_0@engine"])
+    rows = read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))
+    assert sorted((r["method"], r["length"], r["status"]) for r in rows) == [
+        (m, L, "ok") for m in ("fp16", "q8_0@engine") for L in (1, 256)
+    ]

@@ -22,7 +22,6 @@ from niah.weightquant.salience import (
     zero_channels,
 )
 from niah.weightquant.schemes import QuantizedModel, Scheme, rtn_layers
-from niah.weightquant.settings import settings
 
 
 def _randn(*shape, seed=0):
@@ -230,7 +229,7 @@ def test_unknown_weightquant_setting_is_an_error(smoke_cfg):
     from niah.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"unknown weightquant setting\(s\) \[.iters.\]"):
-        settings({**smoke_cfg, "weightquant": {"iters": 3}})
+        smoke_cfg.updated("weightquant", iters=3)
     assert kurtosis(_randn(200_000)) == pytest.approx(3.0, abs=0.05)
 
 

@@ -7,10 +7,11 @@ import pytest
 
 from niah.experiments.battery import run_battery
 from niah.report.summary import _weights_parts
+from niah.report.tables import interaction_table, weights_kv_table
 from niah.results import read_rows
 from niah.rundir import RunDir
 from niah.schema import ConfigError
-from niah.weightquant.needle import interaction_table, needle_battery, run_needles, weights_kv_table
+from niah.weightquant.needle import needle_battery, run_needles
 from niah.weightquant.schemes import QuantizedModel, Scheme, rtn_layers
 
 

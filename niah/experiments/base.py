@@ -15,20 +15,21 @@ from tqdm.auto import tqdm
 
 from .. import env
 from ..cluster import worker_name
+from ..config import Config
 from ..rundir import RunDir, open_table
 
 STATUS_REASON_CHARS = 300  # an error message is cut to this many characters in its row
 
 
-def provenance(cfg: dict, model_name: str) -> dict:
+def provenance(cfg: Config, model_name: str) -> dict:
     """The columns every result row starts with: the config, its hash, the model, the seed, the commit, the
     installed versions, the time the row was written and the worker that computed it (on a cluster, a Ray
     actor's name, which the row brings back and which overrides this one)."""
     return {
-        "config": cfg["name"],
-        "config_hash": cfg["hash"],
+        "config": cfg.name,
+        "config_hash": cfg.hash,
         "model": model_name,
-        "seed": cfg["seed"],
+        "seed": cfg.seed,
         "git_commit": env.git_commit(),
         "versions": env.versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -36,12 +37,12 @@ def provenance(cfg: dict, model_name: str) -> dict:
     }
 
 
-def too_long_reason(cfg: dict, loaded, prompt: int, answer: int = 0) -> str | None:
+def too_long_reason(cfg: Config, loaded, prompt: int, answer: int = 0) -> str | None:
     """Why ``prompt`` tokens (context and question) and the room for an answer (``answer`` tokens, the expected
     answer's, or ``niah.max_new_tokens`` where that is more) do not fit the loaded model, naming the fix: lower
     ``niah.max_new_tokens`` where the expected answer would fit, else ``model.rope_scaling`` where the model is
     not extended yet.  None if they fit."""
-    limit, max_new = loaded.max_context, cfg["niah"]["max_new_tokens"]
+    limit, max_new = loaded.max_context, cfg.niah.max_new_tokens
     tokens = prompt + max(answer, max_new)
     if tokens <= limit:
         return None
@@ -62,7 +63,7 @@ class Experiment:
     keys is not written yet, and ``write``/``fail`` append rows (``fail``: status ``too_long`` or ``oom`` with
     its reason) and move the progress bar opened by ``start``."""
 
-    def __init__(self, cfg: dict, kind: str, model_name: str, out_path: Path | None = None, progress: bool = True):
+    def __init__(self, cfg: Config, kind: str, model_name: str, out_path: Path | None = None, progress: bool = True):
         self.cfg, self.model_name, self.progress = cfg, model_name, progress
         self.path = Path(out_path) if out_path else RunDir(cfg).file(kind)
         self.table = open_table(cfg, kind, self.path)
@@ -78,7 +79,7 @@ class Experiment:
         return [m for m in methods if not self.done(self.row(method=m, **keys))]
 
     def start(self, total: int, desc: str) -> None:
-        self.bar = tqdm(total=total, desc=f"{desc} [{self.cfg['name']}]", unit="row", disable=not self.progress)
+        self.bar = tqdm(total=total, desc=f"{desc} [{self.cfg.name}]", unit="row", disable=not self.progress)
 
     def write(self, rows: list[dict]) -> None:
         for r in rows:
@@ -109,7 +110,7 @@ class Collect:
     """Where a cluster worker puts one unit's rows: :class:`Experiment`'s ``cfg``, ``row``, ``write`` and ``fail``
     without a table.  ``row`` holds only the keys; the driver adds the provenance when it writes them."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: Config):
         self.cfg, self.rows = cfg, []
 
     def row(self, **keys) -> dict:

@@ -35,34 +35,18 @@ from pathlib import Path
 import torch
 
 from .. import env
-from ..cluster import Unit, cluster_settings, run_units
+from ..cluster import Unit, run_units
+from ..config import Config
 from ..data.haystack import HaystackTooShort, TokenHaystack, haystack_text, tokenize_haystack
 from ..data.needles import INTRO, KEY_WORDS, NOUN, VALUE_KINDS, Trial, needle_text, question_texts
 from ..data.prompts import frame
 from ..kv.cache import PackedCache
 from ..kv.layout import CacheLayout
 from ..kv.registry import get_method
-from ..schema import ConfigError, section
+from ..schema import Battery, ConfigError
 from .base import Collect, Experiment, too_long_reason
 from .grid import Cell, SharedPrompt, cell_keys, croppable, extend_shared
 from .protocol import answer_fields, ask, check_engine_reads, context_states, kv_entries, prefill
-
-
-def battery_settings(cfg: dict) -> dict:
-    s = section(cfg, "battery")
-    if s["mode"] not in ("single", "multi_key"):
-        raise ValueError(f"unknown battery mode {s['mode']!r}: choose single (one needle per prompt) or multi_key")
-    if s["depths"] not in DEPTH_RULES:
-        raise ValueError(f"unknown battery depths {s['depths']!r}: choose one of {sorted(DEPTH_RULES)}")
-    s["lengths"] = sorted(s["lengths"])
-    methods = s["methods"] or cfg["niah"]["methods"]
-    ref = cfg["niah"]["reference"]
-    s["methods"] = [ref, *(m for m in methods if m != ref)]
-    if s["needles"] * len(s["lengths"]) > len(KEY_WORDS):
-        raise ValueError(
-            f"battery: {s['needles']} needles x {len(s['lengths'])} lengths need more distinct keys than the {len(KEY_WORDS)} there are"
-        )
-    return s
 
 
 def spread_depths(n: int) -> list[float]:
@@ -75,7 +59,7 @@ def centred_depths(n: int) -> list[float]:
     return [round((k + 0.5) / n, 4) for k in range(n)]
 
 
-DEPTH_RULES = {"spread": spread_depths, "centred": centred_depths}
+DEPTH_RULES = {"spread": spread_depths, "centred": centred_depths}  # by niah.schema.Battery.DEPTHS
 
 
 @dataclass(frozen=True)
@@ -160,78 +144,76 @@ def build_context(
     return out, sorted(questions, key=lambda q: (q.length, q.index))
 
 
-def battery_contexts(cfg: dict, lm, s: dict | None = None) -> list:
+def battery_contexts(cfg: Config, lm, s: Battery | None = None) -> list:
     """The battery's contexts, built from the config's seed: in ``single`` mode, per context a list of
     ``(ids, question)`` prompts; in ``multi_key`` mode, ``(ids, questions)`` per context."""
-    s = s or battery_settings(cfg)
-    n = cfg["niah"]
-    style, kind = n["prompt_styles"][0], n["needle"]["kind"]
-    need = s["lengths"][-1] * s["contexts"]  # each context its own stretch of text at the longest length
+    s = s or cfg.battery
+    n = cfg.niah
+    style, kind = n.prompt_styles[0], n.needle["kind"]
+    need = s.lengths[-1] * s.contexts  # each context its own stretch of text at the longest length
     try:
-        hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, need, repeat=False)
+        hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, need, repeat=False)
     except HaystackTooShort as err:
         raise ConfigError(
-            f"{err} for the battery's {s['contexts']} contexts of {s['lengths'][-1]} tokens ({lm.name}'s tokenizer); contexts "
+            f"{err} for the battery's {s.contexts} contexts of {s.lengths[-1]} tokens ({lm.name}'s tokenizer); contexts "
             "cut from a repeated text would be the same text, and count as independent questions. Ask fewer "
             "battery.contexts (and more battery.needles), shorter battery.lengths, or a larger haystack (haystack: folder)"
         ) from None
-    rng = random.Random(f"{cfg['seed']}/battery")
-    return _single_prompts(lm, hay, s, rng, kind, style) if s["mode"] == "single" else _multi_key_contexts(lm, hay, s, rng, kind, style)
+    rng = random.Random(f"{cfg.seed}/battery")
+    return _single_prompts(lm, hay, s, rng, kind, style) if s.mode == "single" else _multi_key_contexts(lm, hay, s, rng, kind, style)
 
 
-def question_prompts(cfg: dict, lm) -> list[tuple[list[int], Question]]:
+def question_prompts(cfg: Config, lm) -> list[tuple[list[int], Question]]:
     """Every battery question with the ids of its own context (``multi_key``: its context's first ``length`` ids)."""
-    s = battery_settings(cfg)
-    return _flat(s, battery_contexts(cfg, lm, s))
+    return _flat(cfg.battery, battery_contexts(cfg, lm))
 
 
-def _flat(s: dict, contexts: list) -> list[tuple[list[int], Question]]:
-    if s["mode"] == "single":
+def _flat(s: Battery, contexts: list) -> list[tuple[list[int], Question]]:
+    if s.mode == "single":
         return [p for prompts in contexts for p in prompts]
     return [(ids[: q.length], q) for ids, qs in contexts for q in qs]
 
 
 def run_battery(
-    cfg: dict,
+    cfg: Config,
     lm,
     out_path: Path | None = None,
     progress: bool = True,
     *,
-    settings: dict | None = None,
+    settings: Battery | None = None,
     lengths: list[int] | None = None,
     methods: list[str] | None = None,
     table: str = "needles",
     tag: dict | None = None,
     label: str = "needle battery",
-    cluster: dict | None = None,
 ) -> Path:
     """Run every missing (question, method) row of the config's battery; return the results table's path.
 
-    The keywords serve notebook 01's weights x KV cells: ``settings`` (default :func:`battery_settings`) builds the
+    The keywords serve notebook 01's weights x KV cells: ``settings`` (default ``cfg.battery``) builds the
     questions, of which only those at ``lengths`` are asked (default: all), through ``methods`` (default: the
     battery's; the reference is always asked first), into results table ``table``, with ``tag`` (e.g.
-    ``{"weights": ...}``) added to every row's keys, under the progress bar's ``label``.  With ``cluster`` (the
-    settings of :func:`~niah.cluster.cluster_settings`), the units go to Ray workers that load the config's own
+    ``{"weights": ...}``) added to every row's keys, under the progress bar's ``label``.  With a ``cluster:``
+    section (and no ``settings``), the units go to Ray workers that load the config's own
     model (so not for a weight-quantized ``lm``), and this process writes their rows as they arrive."""
-    s = settings or battery_settings(cfg)
-    n = cfg["niah"]
-    ref = n["reference"]
-    asked = sorted(lengths or s["lengths"])
+    s = settings or cfg.battery
+    n = cfg.niah
+    ref = n.reference
+    asked = sorted(lengths or s.lengths)
     exp = Experiment(cfg, table, lm.name, out_path, progress)
-    names = list(dict.fromkeys([ref, *(methods or s["methods"])]))
+    names = list(dict.fromkeys([ref, *(methods or s.methods)]))
     chosen = {m: get_method(m) for m in names}
     for m in chosen.values():
         m.check_head_dim(lm.head_dim)
     CacheLayout.from_config(lm.model.config).check_context(asked[0], lm.name)
-    check_engine_reads(chosen, asked[-1], n["engine_chunk"])
-    plan = Plan(s["mode"], n["prompt_styles"][0], tuple(names), tag or {}, s["sliding_layers"], tuple(asked))
+    check_engine_reads(chosen, asked[-1], n.engine_chunk)
+    plan = Plan(s.mode, n.prompt_styles[0], tuple(names), tag or {}, s.sliding_layers, tuple(asked))
     units = _units(plan, _at_lengths(s, battery_contexts(cfg, lm, s), set(asked)), lambda q: exp.missing(names, **_keys(cfg, plan, q)))
     if not units:
         return exp.path
-    torch.set_num_threads(cfg["threads"])
+    torch.set_num_threads(cfg.threads)
     exp.start(sum(len(ms) for u in units for ms in u.payload.todo.values()), label)
-    if cluster:
-        run_units(cfg, cluster, units, exp.write_from_worker)
+    if cfg.cluster.present and settings is None:  # workers load the config's own model, not a weight-quantized lm
+        run_units(cfg, units, exp.write_from_worker)
     else:
         for u in units:
             _run_unit(exp, lm, u.payload)
@@ -261,7 +243,7 @@ class BatteryUnit:
     todo: dict
 
 
-def _keys(cfg: dict, plan: Plan, q: Question) -> dict:
+def _keys(cfg: Config, plan: Plan, q: Question) -> dict:
     """The keys of question ``q``'s rows (without ``method``)."""
     cell = cell_keys(cfg, Cell(plan.style, q.length, round(q.depth, 4), q.trial))
     return {**cell, **plan.tag, "context": q.context, "needle_key": q.key}
@@ -284,7 +266,7 @@ def _units(plan: Plan, contexts: list, missing: Callable[[Question], list[str]])
     return units
 
 
-def battery_unit(cfg: dict, lm, unit: BatteryUnit) -> list[dict]:
+def battery_unit(cfg: Config, lm, unit: BatteryUnit) -> list[dict]:
     """One unit's rows, computed on a cluster worker (keys and measurements; the driver adds the provenance)."""
     sink = Collect(cfg)
     _run_unit(sink, lm, unit)
@@ -294,15 +276,15 @@ def battery_unit(cfg: dict, lm, unit: BatteryUnit) -> list[dict]:
 def _run_unit(sink, lm, unit: BatteryUnit) -> None:
     """Ask one unit's questions; rows go to ``sink`` (an :class:`Experiment` or a :class:`Collect`)."""
     cfg, plan = sink.cfg, unit.plan
-    n = cfg["niah"]
+    n = cfg.niah
     how = Asking(
         {m: get_method(m) for m in plan.methods},
         plan.methods[0],
         lambda q: unit.todo.get(q, []),
         lambda q, method: sink.row(**_keys(cfg, plan, q), method=method),
-        n["max_new_tokens"],
+        n.max_new_tokens,
         plan.sliding,
-        n["engine_chunk"],
+        n.engine_chunk,
     )
     if plan.mode == "single":
         _run_single_context(sink, lm, unit.prompts, how)
@@ -312,7 +294,7 @@ def _run_unit(sink, lm, unit: BatteryUnit) -> None:
 
 def _at_lengths(s: dict, contexts: list, lengths: set[int]) -> list:
     """``contexts`` (of :func:`battery_contexts`) with only the questions at ``lengths``."""
-    if s["mode"] == "single":
+    if s.mode == "single":
         return [[(ids, q) for ids, q in prompts if q.length in lengths] for prompts in contexts]
     return [(ids, [q for q in qs if q.length in lengths]) for ids, qs in contexts]
 
@@ -337,11 +319,11 @@ def _stretch(hay: TokenHaystack, c: int, contexts: int, length: int) -> TokenHay
 
 
 def _multi_key_contexts(lm, hay, s: dict, rng, kind: str, style: str) -> list[tuple[list[int], list[Question]]]:
-    groups = [s["lengths"]] if s["nested"] else [[L] for L in s["lengths"]]
+    groups = [s.lengths] if s.nested else [[L] for L in s.lengths]
     return [
-        build_context(lm.tokenizer, _stretch(hay, c, s["contexts"], lengths[-1]), lengths, s["needles"], rng, c, kind, style)
+        build_context(lm.tokenizer, _stretch(hay, c, s.contexts, lengths[-1]), lengths, s.needles, rng, c, kind, style)
         for lengths in groups
-        for c in range(s["contexts"])
+        for c in range(s.contexts)
     ]
 
 
@@ -349,10 +331,10 @@ def _single_prompts(lm, hay, s: dict, rng, kind: str, style: str) -> list[list[t
     """Per context, one (ids, question) prompt per needle: ``needles`` spread depths at every length, each prompt on the
     context's stretch of haystack with only its own needle."""
     out = []
-    for c in range(s["contexts"]):
-        sub, prompts = _stretch(hay, c, s["contexts"], s["lengths"][-1]), []
-        for L in s["lengths"]:
-            for k, d in enumerate(DEPTH_RULES[s["depths"]](s["needles"])):
+    for c in range(s.contexts):
+        sub, prompts = _stretch(hay, c, s.contexts, s.lengths[-1]), []
+        for L in s.lengths:
+            for k, d in enumerate(DEPTH_RULES[s.depths](s.needles)):
                 ids, (q,) = build_context(lm.tokenizer, sub, [L], 1, rng, c, kind, style, depths=[d])
                 prompts.append((ids, replace(q, index=k)))
         out.append(prompts)
@@ -363,7 +345,7 @@ def _run_single_context(sink, lm, prompts: list[tuple[list[int], Question]], how
     """One context's single-needle prompts, in needle order, rows to ``sink`` (an :class:`Experiment` or a
     :class:`Collect`): the haystack before each needle is prefilled once (and cropped back to after each
     question), only the needle and the text after it per question."""
-    chunk = sink.cfg["niah"]["prefill_chunk"]
+    chunk = sink.cfg.niah.prefill_chunk
     base, base_ids = None, []
     for ids, q in sorted(prompts, key=lambda p: (p[1].position, p[1].length)):
         todo = how.missing(q)
@@ -383,7 +365,7 @@ def _run_single_context(sink, lm, prompts: list[tuple[list[int], Question]], how
 
 def _run_multi_key(sink, lm, contexts: list[tuple[list[int], list[Question]]], lengths: list[int], how: Asking) -> None:
     """Each multi-key context is prefilled once, in order; its state is taken out as the prefill passes each length."""
-    missing, chunk = how.missing, sink.cfg["niah"]["prefill_chunk"]
+    missing, chunk = how.missing, sink.cfg.niah.prefill_chunk
     for ids, questions in contexts:
         cache, done, prefill_s = None, 0, 0.0
         for L in lengths:
@@ -445,11 +427,11 @@ def _ask_all(lm, states, qs: list[Question], prefill_s: float, how: Asking) -> l
     return rows
 
 
-def run_needles(cfg: dict, lm, out_path: Path | None = None, progress: bool = True) -> Path:
+def run_needles(cfg: Config, lm, out_path: Path | None = None, progress: bool = True) -> Path:
     """Notebook 03's needle rows: the battery where the config has a ``battery:`` section (on its cluster where it
     has one), else the grid."""
     from .grid import run_grid
 
-    if cfg["battery"]:
-        return run_battery(cfg, lm, out_path, progress, cluster=cluster_settings(cfg))
+    if cfg.battery.present:
+        return run_battery(cfg, lm, out_path, progress)
     return run_grid(cfg, lm, out_path, progress)

@@ -16,37 +16,37 @@ import time
 from pathlib import Path
 
 from ..cluster import Pool, Unit
-from ..config import load_config
+from ..config import Config, load_config
 from ..models import load_model
 from .battery import run_battery
 
 LOCAL = {"engine": "ray", "address": None, "workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}
 
 
-def noop(cfg: dict, lm, payload) -> list[dict]:
+def noop(cfg: Config, lm, payload) -> list[dict]:
     """A unit that computes nothing and returns its payload as one row (what :func:`unit_overhead` sends)."""
     return [{"payload": payload}]
 
 
-def _battery_slice(cfg: dict, length: int, contexts: int, needles: int, methods: list[str]) -> dict:
-    return {**cfg, "battery": {**cfg["battery"], "lengths": [length], "contexts": contexts, "needles": needles, "methods": methods}}
+def _battery_slice(cfg: Config, length: int, contexts: int, needles: int, methods: list[str]) -> Config:
+    return cfg.updated("battery", lengths=[length], contexts=contexts, needles=needles, methods=methods)
 
 
-def _timed_battery(cfg: dict, lm, folder: Path, name: str, cluster: dict | None) -> float:
+def _timed_battery(cfg: Config, lm, folder: Path, name: str) -> float:
     t0 = time.perf_counter()
-    run_battery(cfg, lm, folder / f"{name}.jsonl", progress=False, cluster=cluster)
+    run_battery(cfg, lm, folder / f"{name}.jsonl", progress=False)
     return time.perf_counter() - t0
 
 
 def workers_vs_threads(config: str = "cpu", length: int = 4096, contexts: int = 4, needles: int = 2, methods=("fp16", "q8_0")) -> dict:
     """Seconds for the same battery slice (``contexts`` units of ``needles`` questions at ``length``, ``methods``)
     in one process with 2 threads and on 2 Ray workers with 1 thread each; ``speedup`` is their ratio."""
-    cfg = _battery_slice({**load_config(config), "threads": 2}, length, contexts, needles, list(methods))
-    lm = load_model(cfg["model"], device=cfg["device"])
+    cfg = _battery_slice(load_config(config).updated("", threads=2), length, contexts, needles, list(methods))
+    lm = load_model(cfg.model, device=cfg.device)
     with tempfile.TemporaryDirectory() as tmp:
-        one = _timed_battery(cfg, lm, Path(tmp), "one", None)
-        many = _timed_battery(cfg, lm, Path(tmp), "many", LOCAL)
-    start = _startup(cfg)
+        one = _timed_battery(cfg, lm, Path(tmp), "one")
+        many = _timed_battery(cfg.updated("cluster", **LOCAL), lm, Path(tmp), "many")
+    start = _startup(cfg.updated("cluster", **LOCAL))
     return {
         "slice": f"{config} battery, {contexts} contexts x {needles} questions at {length}, methods {list(methods)}",
         "one_process_2_threads_s": one,
@@ -57,10 +57,10 @@ def workers_vs_threads(config: str = "cpu", length: int = 4096, contexts: int = 
     }
 
 
-def _startup(cfg: dict) -> float:
+def _startup(cfg: Config) -> float:
     """Seconds to start a local cluster of :data:`LOCAL`'s workers and load the model in each (one empty unit each)."""
     t0 = time.perf_counter()
-    with Pool(cfg, LOCAL) as pool:
+    with Pool(cfg) as pool:
         list(pool.run([Unit(f"warm-up {i}", 1, "niah.experiments.clusterbench:noop", None) for i in range(LOCAL["workers"])]))
         return time.perf_counter() - t0
 
@@ -69,16 +69,15 @@ def unit_overhead(units: int = 200) -> dict:
     """Seconds per unit of sending ``units`` empty units to 2 warm workers on the smoke config, against the mean
     unit of the smoke battery run in one process (``ratio``: overhead / unit)."""
     cfg = load_config("smoke")
-    lm = load_model(cfg["model"])
+    lm = load_model(cfg.model)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run_battery(cfg, lm, Path(tmp) / "one.jsonl", progress=False)
         battery_s = time.perf_counter() - t0
-    from .battery import battery_contexts, battery_settings
+    from .battery import battery_contexts
 
-    s = battery_settings(cfg)
-    battery_units = len(battery_contexts(cfg, lm, s)) * len(s["lengths"])
-    with Pool(cfg, LOCAL) as pool:
+    battery_units = len(battery_contexts(cfg, lm)) * len(cfg.battery.lengths)
+    with Pool(cfg.updated("cluster", **LOCAL)) as pool:
         list(pool.run([Unit(f"warm-up {i}", 1, "niah.experiments.clusterbench:noop", None) for i in range(LOCAL["workers"])]))
         t0 = time.perf_counter()
         list(pool.run([Unit(f"empty {i}", 1, "niah.experiments.clusterbench:noop", None) for i in range(units)]))

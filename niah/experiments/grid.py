@@ -18,13 +18,13 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .. import env
+from ..config import Config
 from ..data.haystack import haystack_text, tokenize_haystack
 from ..data.needles import NeedleSpec, make_trial
 from ..data.prompts import CellPrompt, build_cell
 from ..kv.layout import CacheLayout
-from ..kv.registry import get_method
 from .base import Experiment, too_long_reason
-from .protocol import answer_fields, check_engine_reads, context_states, kv_entries, prefill, run_method
+from .protocol import answer_fields, cache_spec, check_engine_reads, context_states, kv_entries, prefill, run_method
 
 
 @dataclass(frozen=True)
@@ -35,19 +35,19 @@ class Cell:
     trial: int
 
 
-def cells(cfg: dict) -> list[Cell]:
-    n = cfg["niah"]
-    return [Cell(s, L, float(d), t) for s in n["prompt_styles"] for L in n["lengths"] for d in n["depths"] for t in range(n["trials"])]
+def cells(cfg: Config) -> list[Cell]:
+    n = cfg.niah
+    return [Cell(s, L, float(d), t) for s in n.prompt_styles for L in n.lengths for d in n.depths for t in range(n.trials)]
 
 
-def trial_rng(cfg: dict, cell: Cell) -> random.Random:
+def trial_rng(cfg: Config, cell: Cell) -> random.Random:
     """The seeded generator of one trial: same keys and values for every method, style and rerun."""
-    return random.Random(f"{cfg['seed']}/{cell.length}/{cell.depth}/{cell.trial}")
+    return random.Random(f"{cfg.seed}/{cell.length}/{cell.depth}/{cell.trial}")
 
 
-def cell_keys(cfg: dict, cell: Cell) -> dict:
+def cell_keys(cfg: Config, cell: Cell) -> dict:
     """The columns of a needle row that name its cell (besides the method)."""
-    needle = cfg["niah"]["needle"]
+    needle = cfg.niah.needle
     return {
         "prompt_style": cell.style,
         "length": cell.length,
@@ -58,15 +58,15 @@ def cell_keys(cfg: dict, cell: Cell) -> dict:
     }
 
 
-def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = True) -> Path:
+def run_grid(cfg: Config, loaded, out_path: Path | None = None, progress: bool = True) -> Path:
     """Run every missing (cell, method) row of ``cfg`` with the loaded model; return the table's path."""
     exp = Experiment(cfg, "needles", loaded.name, out_path, progress)
-    n = cfg["niah"]
-    methods = {m: get_method(m) for m in n["methods"]}
+    n = cfg.niah
+    methods = {m: cache_spec(cfg, m) for m in n.methods}
     for m in methods.values():
-        m.check_head_dim(loaded.head_dim)
-    CacheLayout.from_config(loaded.model.config).check_context(min(n["lengths"]), loaded.name)
-    check_engine_reads(methods, max(n["lengths"]), n["engine_chunk"])
+        m.method.check_head_dim(loaded.head_dim)
+    CacheLayout.from_config(loaded.model.config).check_context(min(n.lengths), loaded.name)
+    check_engine_reads(methods, max(n.lengths))
 
     def missing(cell):
         return exp.missing(methods, **cell_keys(cfg, cell))
@@ -74,12 +74,12 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
     todo = [c for c in cells(cfg) if missing(c)]
     if not todo:
         return exp.path
-    torch.set_num_threads(cfg["threads"])
-    hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), loaded.tokenizer, max(n["lengths"]))
-    spec = NeedleSpec(**n["needle"])
+    torch.set_num_threads(cfg.threads)
+    hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), loaded.tokenizer, max(n.lengths))
+    spec = NeedleSpec(**n.needle)
     prompts = {c: build_cell(loaded.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(cfg, c)), c.style) for c in todo}
     exp.start(sum(len(missing(c)) for c in todo), "needle grid")
-    for style in n["prompt_styles"]:
+    for style in n.prompt_styles:
         base, base_ids = None, []
         for cell in sorted((c for c in todo if c.style == style), key=lambda c: (prompts[c].shared_prefix, c.length, c.depth, c.trial)):
             p = prompts[cell]
@@ -89,7 +89,7 @@ def run_grid(cfg: dict, loaded, out_path: Path | None = None, progress: bool = T
                 exp.fail(unmeasured, "too_long", reason)
                 continue
             try:
-                base, base_ids = extend_shared(loaded.model, base, base_ids, p, n["prefill_chunk"])
+                base, base_ids = extend_shared(loaded.model, base, base_ids, p, n.prefill_chunk)
                 exp.write(_run_cell(exp, loaded, base, len(base_ids), p, methods, missing(cell), cell))
             except (torch.OutOfMemoryError, MemoryError) as err:
                 exp.fail(unmeasured, "oom", err)
@@ -128,24 +128,24 @@ def extend_shared(model, base, base_ids, p: CellPrompt | SharedPrompt, chunk: in
 
 def _run_cell(exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods, todo_methods, cell: Cell) -> list[dict]:
     """Prefill the cell's own tokens on top of the shared cache, run the methods, crop back."""
-    n = exp.cfg["niah"]
+    n = exp.cfg.niah
     t0 = time.perf_counter()
-    prefill(loaded.model, p.prefill_ids[shared:], base, n["prefill_chunk"])
+    prefill(loaded.model, p.prefill_ids[shared:], base, n.prefill_chunk)
     prefill_s = time.perf_counter() - t0
     try:
         kv = context_states(base)
-        ref_name = n["reference"]
+        ref_name = n.reference
         order = [ref_name] + [m for m in todo_methods if m != ref_name]
         answers, rows = {}, []
         for name in order:
             ans, stored, quantize_s = run_method(
-                loaded.model, loaded.tokenizer, kv, methods[name], p.question_ids, p.answer_ids, n["max_new_tokens"], n["engine_chunk"]
+                loaded.model, loaded.tokenizer, kv, methods[name], p.question_ids, p.answer_ids, n.max_new_tokens
             )
             answers[name] = ans
             if name not in todo_methods:
                 continue
             scored = answer_fields(
-                ans, p.expected, answers[ref_name].answer_logsoftmax, stored, kv_entries(kv), methods[name], loaded.head_dim
+                ans, p.expected, answers[ref_name].answer_logsoftmax, stored, kv_entries(kv), methods[name].method, loaded.head_dim
             )
             rows.append(
                 {

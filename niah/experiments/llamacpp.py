@@ -20,36 +20,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
+from ..config import Config
 from ..models import ModelUnavailable, verified_gguf
-from ..schema import section
+from ..schema import LlamaCpp
 from .base import Experiment, too_long_reason
-from .battery import battery_settings, question_prompts
+from .battery import question_prompts
 from .grid import Cell, cell_keys
 from .protocol import Answer, greedy_from, scored_fields, teacher_forced
 
-KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # GGML type ids, as llama.cpp's type_k / type_v take them
 ROTATION_OFF = "LLAMA_ATTN_ROT_DISABLE"
 DECODE_STEPS = 8  # timed greedy steps per question, at the context's length
 INSTALL = "pip install -e '.[llamacpp]' (or `make setup-llamacpp`; it compiles llama.cpp from source)"
-
-
-def llamacpp_settings(cfg: dict) -> dict:
-    """The config's ``llamacpp`` section over its defaults; ``lengths`` filled in (the battery's shortest) and checked."""
-    s = section(cfg, "llamacpp")
-    battery_lengths = battery_settings(cfg)["lengths"]
-    s["lengths"] = s["lengths"] or battery_lengths[:1]
-    if not set(s["lengths"]) <= set(battery_lengths):
-        raise ValueError(
-            f"llamacpp.lengths {s['lengths']} must be lengths of the battery ({battery_lengths}): it asks the battery's questions"
-        )
-    bad = [k for k in s["kv"] if k not in KV_TYPES]
-    if bad:
-        raise ValueError(f"unknown llama.cpp cache type(s) {bad}; choose from {', '.join(KV_TYPES)}")
-    if "f16" not in s["kv"]:
-        raise ValueError("llamacpp.kv must include f16: it is the reference the other cache types are compared with")
-    return s
 
 
 def installed() -> bool:
@@ -63,9 +47,9 @@ def installed() -> bool:
 def variants(s: dict) -> list[tuple[str, str, bool]]:
     """(method name, cache type, rotation) per run, the f16 reference first (f16 is never rotated)."""
     out = [("lcpp_f16", "f16", False)]
-    for kv in s["kv"]:
+    for kv in s.kv:
         if kv != "f16":
-            out += [(f"lcpp_{kv}" + ("" if rot else "_norot"), kv, rot) for rot in s["rotation"]]
+            out += [(f"lcpp_{kv}" + ("" if rot else "_norot"), kv, rot) for rot in s.rotation]
     return out
 
 
@@ -86,8 +70,8 @@ def open_llama(gguf: Path, n_ctx: int, kv: str, rotation: bool, threads: int):
             n_batch=512,
             n_threads=threads,
             n_threads_batch=threads,
-            type_k=KV_TYPES[kv],
-            type_v=KV_TYPES[kv],
+            type_k=LlamaCpp.KV_TYPES[kv],
+            type_v=LlamaCpp.KV_TYPES[kv],
             flash_attn=True,
             logits_all=False,
             verbose=False,
@@ -147,17 +131,17 @@ def time_decode(llm, first_token: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = True) -> Path:
+def run_llamacpp(cfg: Config, lm, out_path: Path | None = None, progress: bool = True) -> Path:
     """Every missing (question, cache type) row of the config's llama.cpp cross-check; return the table's path.
 
     ``lm`` is the transformers model of the same GGUF (its tokenizer builds the prompts)."""
-    s = llamacpp_settings(cfg)
-    if not cfg.get("battery"):
-        raise ValueError(f"llamacpp: it asks the battery's questions, and config {cfg['name']} has no battery: section; add one")
-    gguf = verified_gguf(cfg["model"])
+    s = cfg.llamacpp
+    if not cfg.battery.present:
+        raise ValueError(f"llamacpp: it asks the battery's questions, and config {cfg.name} has no battery: section; add one")
+    gguf = verified_gguf(cfg.model)
     exp = Experiment(cfg, "llamacpp", lm.name, out_path, progress)
-    style, max_new = cfg["niah"]["prompt_styles"][0], cfg["niah"]["max_new_tokens"]
-    prompts = [(ids, q) for ids, q in question_prompts(cfg, lm) if q.length in s["lengths"] and q.context < s["contexts"]]
+    style, max_new = cfg.niah.prompt_styles[0], cfg.niah.max_new_tokens
+    prompts = [(ids, q) for ids, q in question_prompts(cfg, lm) if q.length in s.lengths and q.context < s.contexts]
     runs = variants(s)
 
     def row(q, method):
@@ -177,7 +161,7 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
     ref = {}
     decode = lambda t: lm.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     for name, kv, rot in [runs[0], *(r for r in todo if r != runs[0])]:
-        llm = open_llama(gguf, n_ctx, kv, rot, cfg["threads"])
+        llm = open_llama(gguf, n_ctx, kv, rot, cfg.threads)
         try:
             for ids, q in prompts:
                 wanted = not exp.done(row(q, name))
@@ -212,86 +196,19 @@ def run_llamacpp(cfg: dict, lm, out_path: Path | None = None, progress: bool = T
     return exp.close()
 
 
-def emulated_by(method: str) -> str:
-    """This repo's emulation of a llama.cpp method: ``lcpp_q8_0_norot`` -> ``q8_0``, ``lcpp_f16`` -> ``fp16``."""
-    kv = method.removeprefix("lcpp_").removesuffix("_norot")
-    return "fp16" if kv == "f16" else kv
-
-
-def agreement_table(lcpp, ours):
-    """llama.cpp against this repo on the same questions, per llama.cpp method and length.
-
-    ``lcpp``: llama.cpp rows; ``ours``: this repo's needle rows.  Columns: ``n`` paired questions, both engines'
-    accuracy, the share of questions whose scores agree and whose greedy answers are the same text, the mean answer
-    log-prob difference (llama.cpp - this repo) with its paired bootstrap interval, McNemar's p of each engine against
-    its own f16, and each engine's mean KL against its own f16."""
-    import pandas as pd
-
-    from ..report.stats import PAIR_KEY, mcnemar_exact, paired_bootstrap
-
-    ok_l, ok_o = lcpp[lcpp["status"] == "ok"], ours[ours["status"] == "ok"]
-    keys = list(PAIR_KEY)
-    l_ref, o_ref = ok_l[ok_l["method"] == "lcpp_f16"].set_index(keys), ok_o[ok_o["method"] == "fp16"].set_index(keys)
-    rows = []
-    for (method, length), g in ok_l.groupby(["method", "length"], sort=False):
-        mine = ok_o[ok_o["method"] == emulated_by(method)].set_index(keys)
-        g = g.set_index(keys)
-        both = g.index.intersection(mine.index).intersection(l_ref.index).intersection(o_ref.index)
-        if not len(both):
-            continue
-        a, b = g.loc[both], mine.loc[both]
-        d, lo, hi = paired_bootstrap(a["answer_logprob"].to_numpy() - b["answer_logprob"].to_numpy())
-        rows.append(
-            {
-                "llama.cpp": method,
-                "this repo": emulated_by(method),
-                "length": length,
-                "n": len(both),
-                "accuracy llama.cpp": (a["score"] >= 1).mean(),
-                "accuracy this repo": (b["score"] >= 1).mean(),
-                "scores agree": ((a["score"] >= 1) == (b["score"] >= 1)).mean(),
-                "same answer text": (a["generated"].str.strip() == b["generated"].str.strip()).mean(),
-                "logprob diff": d,
-                "logprob low": lo,
-                "logprob high": hi,
-                "McNemar p llama.cpp vs its f16": mcnemar_exact(l_ref.loc[both, "score"] >= 1, a["score"] >= 1)["p"],
-                "McNemar p this repo vs its fp16": mcnemar_exact(o_ref.loc[both, "score"] >= 1, b["score"] >= 1)["p"],
-                "KL llama.cpp": a["kl_vs_ref"].mean(),
-                "KL this repo": b["kl_vs_ref"].mean(),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def speed_table(lcpp):
-    """llama.cpp's prefill tokens/s, decode s/token and session state MiB per method and length (medians over its
-    questions), and the speed ratios to f16 measured in the same run."""
-    ok = lcpp[lcpp["status"] == "ok"]
-    t = ok.groupby(["method", "length"]).agg(
-        n=("score", "size"),
-        prefill_tok_s=("prefill_tokens_per_s", "median"),
-        decode_s=("decode_s_per_token", "median"),
-        state_mib=("state_bytes", lambda b: b.median() / 2**20),
-    )
-    f16 = t.xs("lcpp_f16", level="method")
-    t["prefill_vs_f16"] = t["prefill_tok_s"] / t.index.get_level_values("length").map(f16["prefill_tok_s"]).to_numpy()
-    t["decode_vs_f16"] = t["decode_s"] / t.index.get_level_values("length").map(f16["decode_s"]).to_numpy()
-    return t.reset_index()
-
-
-def cross_check(cfg: dict, lm, run) -> dict | None:
-    """Notebook 03's llama.cpp section: run (or resume) the cross-check and return its tables, or say why it cannot run."""
+def cross_check(cfg: Config, lm, run) -> pd.DataFrame | None:
+    """Notebook 03's llama.cpp section: run (or resume) the cross-check and return its rows (their tables:
+    :func:`niah.report.tables.agreement_table`, :func:`~niah.report.tables.speed_table`), or say why it cannot run."""
     if not installed():
         print(f"llama.cpp cross-check skipped: llama-cpp-python is not installed. To run it: {INSTALL}, then run the chain again.")
         return None
-    if cfg["model"]["source"] not in ("package", "assembled"):
+    if cfg.model["source"] not in ("package", "assembled"):
         print(
-            f"llama.cpp cross-check skipped: it needs the model as a GGUF file (source package or assembled), not {cfg['model']['source']}."
+            f"llama.cpp cross-check skipped: it needs the model as a GGUF file (source package or assembled), not {cfg.model['source']}."
         )
         return None
-    if not cfg["battery"]:
-        print(f"llama.cpp cross-check skipped: it asks the battery's questions, and config {cfg['name']} has no battery: section.")
+    if not cfg.battery.present:
+        print(f"llama.cpp cross-check skipped: it asks the battery's questions, and config {cfg.name} has no battery: section.")
         return None
     run_llamacpp(cfg, lm, run.file("llamacpp"))
-    lcpp = run.rows("llamacpp")
-    return {"agreement": agreement_table(lcpp, run.rows("needles")), "speed": speed_table(lcpp)}
+    return run.rows("llamacpp")

@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from ..kv.cache import LayerState, PackedCache
 from ..kv.layout import FULL, LINEAR, SLIDING, UnsupportedLayout
 from ..kv.registry import KVMethod
+from ..kv.spec import CacheSpec
 from .scoring import answer_ended, string_match_all
 
 
@@ -187,12 +188,20 @@ def answer_fields(
     }
 
 
-def check_engine_reads(methods, longest_context: int, chunk: int) -> None:
-    """Raise unless every ``engine``-mode method among ``methods`` (name -> :class:`KVMethod`) can be read so here: a
-    context longer than the prompt chunk would need a prefill per method for its later chunks (they read the first
-    chunk dequantized), which this repo does not run; the shared prefill reads raw keys and values throughout."""
-    engine = [m for m, meth in methods.items() if meth.read_mode == "engine"]
-    if engine and longest_context > chunk:
+def cache_spec(cfg, name: str, **knobs) -> CacheSpec:
+    """KV method ``name`` resolved for a cache under ``cfg``, the one place that reads its engine prompt chunk
+    (``niah.engine_chunk``); ``knobs``: the runner's other :class:`~niah.kv.spec.CacheSpec` fields."""
+    return CacheSpec.resolve(name, cfg.niah.engine_chunk, **knobs)
+
+
+def check_engine_reads(specs: dict[str, CacheSpec], longest_context: int) -> None:
+    """Raise unless every ``engine``-mode method among ``specs`` (name -> :class:`~niah.kv.spec.CacheSpec`) can be
+    read so here: a context longer than the prompt chunk would need a prefill per method for its later chunks (they
+    read the first chunk dequantized), which this repo does not run; the shared prefill reads raw keys and values
+    throughout."""
+    engine = [name for name, spec in specs.items() if spec.engine_chunk is not None]
+    chunk = min((specs[name].engine_chunk for name in engine), default=longest_context)
+    if longest_context > chunk:
         raise ValueError(
             f"{', '.join(engine)}: a {longest_context}-token context is longer than niah.engine_chunk ({chunk} tokens), and its "
             "later chunks would need a prefill per method, which this repo does not run yet: raise niah.engine_chunk to at "
@@ -201,11 +210,11 @@ def check_engine_reads(methods, longest_context: int, chunk: int) -> None:
 
 
 def run_method(
-    model, tokenizer, states, method: KVMethod, question_ids, answer_ids, max_new_tokens, engine_chunk: int | None = None
+    model, tokenizer, states, spec: CacheSpec, question_ids, answer_ids, max_new_tokens
 ) -> tuple[Answer, dict, float]:
-    """Store the context ``states`` with ``method`` and ask; returns (answer, stored bytes, quantize seconds)."""
+    """Store the context ``states`` as ``spec`` says and ask; returns (answer, stored bytes, quantize seconds)."""
     t0 = time.perf_counter()
-    cache = PackedCache.from_states(states, method, engine_chunk=engine_chunk)
+    cache = PackedCache.from_states(states, spec)
     quantize_s = time.perf_counter() - t0
     stored = cache.nbytes()
     return ask(model, tokenizer, cache, question_ids, answer_ids, max_new_tokens), stored, quantize_s

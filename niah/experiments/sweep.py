@@ -31,25 +31,18 @@ import numpy as np
 import torch
 
 from .. import env
-from ..cluster import Unit, cluster_settings, run_units
+from ..cluster import Unit, run_units
+from ..config import Config
 from ..data.haystack import haystack_text, tokenize_haystack
 from ..data.needles import NeedleSpec, make_trial, needle_text
 from ..data.prompts import build_cell
 from ..kv.cache import PackedCache, fused_decoding, warm_up
 from ..kv.layout import FULL, SLIDING, CacheLayout
 from ..kv.registry import get_method
-from ..schema import section
 from .base import Collect, Experiment
 from .protocol import ask, compare_logits, context_states, kv_entries, prefill
 from .scoring import string_match_all
 from .telemetry import MemorySampler, model_cuda_devices
-
-
-def sweep_settings(cfg: dict) -> dict:
-    s = section(cfg, "sweep")
-    if cfg["niah"]["reference"] not in s["methods"]:
-        s["methods"] = [cfg["niah"]["reference"], *s["methods"]]
-    return s
 
 
 @torch.no_grad()
@@ -111,29 +104,28 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def run_sweep(cfg: dict, lm, out_path: Path, progress: bool = True) -> Path:
+def run_sweep(cfg: Config, lm, out_path: Path, progress: bool = True) -> Path:
     """Run every missing (method, length) row of the config's sweep; return the table's path.  With a cluster
-    (:func:`~niah.cluster.cluster_settings`), each (length, method) is a unit on a Ray worker, which prefills
+    (``cluster:``), each (length, method) is a unit on a Ray worker, which prefills
     step by step up to its length and pairs its TPOT with the reference's; this process writes the rows."""
-    s = sweep_settings(cfg)
+    s = cfg.sweep
     exp = Experiment(cfg, "sweep", lm.name, out_path, progress)
-    lengths = sorted(s["lengths"])
+    lengths = sorted(s.lengths)
     CacheLayout.from_config(lm.model.config).check_context(lengths[0], lm.name)
-    todo = {L: names for L in lengths if (names := exp.missing(s["methods"], length=L))}
+    todo = {L: names for L in lengths if (names := exp.missing(s.methods, length=L))}
     if not todo:
         return exp.path
     exp.start(sum(map(len, todo.values())), "pressure sweep")
-    cluster = cluster_settings(cfg)
-    if cluster:
+    if cfg.cluster.present:
         units = [Unit(f"sweep {m} at {L}", L, "niah.experiments.sweep:sweep_unit", {L: [m]}) for L, names in todo.items() for m in names]
-        run_units(cfg, cluster, units, exp.write_from_worker)
+        run_units(cfg, units, exp.write_from_worker)
     else:
-        torch.set_num_threads(cfg["threads"])
+        torch.set_num_threads(cfg.threads)
         _run_steps(exp, lm, todo)
     return exp.close()
 
 
-def sweep_unit(cfg: dict, lm, todo: dict[int, list[str]]) -> list[dict]:
+def sweep_unit(cfg: Config, lm, todo: dict[int, list[str]]) -> list[dict]:
     """One unit's rows, computed on a cluster worker (keys and measurements; the driver adds the provenance)."""
     sink = Collect(cfg)
     _run_steps(sink, lm, todo)
@@ -145,23 +137,23 @@ def _run_steps(sink, lm, todo: dict[int, list[str]]) -> None:
     missing) and measure those methods, with the reference, at their lengths; rows go to ``sink`` (an
     :class:`~niah.experiments.base.Experiment` or a :class:`~niah.experiments.base.Collect`)."""
     cfg = sink.cfg
-    s = sweep_settings(cfg)
-    ref = cfg["niah"]["reference"]
-    longest = max(s["lengths"])  # every step's context is a prefix of the longest step's, on every worker
-    lengths = [L for L in sorted(s["lengths"]) if L <= max(todo)]
+    s = cfg.sweep
+    ref = cfg.niah.reference
+    longest = max(s.lengths)  # every step's context is a prefix of the longest step's, on every worker
+    lengths = [L for L in sorted(s.lengths) if L <= max(todo)]
     methods = {m: get_method(m) for m in dict.fromkeys([ref, *(m for ms in todo.values() for m in ms)])}
-    hay = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, longest)
-    trial = make_trial(NeedleSpec(**{**cfg["niah"]["needle"], "variant": "single"}), random.Random(f"{cfg['seed']}/sweep"))
+    hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, longest)
+    trial = make_trial(NeedleSpec(**{**cfg.niah.needle, "variant": "single"}), random.Random(f"{cfg.seed}/sweep"))
     cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")
     probe_from = cell.needle_at + len(lm.tokenizer.encode(needle_text(trial.kind, *trial.needles[0]), add_special_tokens=False))
-    cuda = str(cfg["device"]).startswith("cuda")
+    cuda = str(cfg.device).startswith("cuda")
     for m in methods.values():  # compile the fused kernels before anything is timed
         warm_up(m, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
     layout = CacheLayout.from_config(lm.model.config)
     cache, done_tokens, ttft = None, 0, 0.0
     for L in lengths:
         names = todo.get(L, [])
-        budget = s["memory_budget_gib"]
+        budget = s.memory_budget_gib
         fp32_bytes = 4 * sum(layout.kv_values(L).values())  # sliding layers keep only their window
         if budget is not None and fp32_bytes > budget * 2**30:
             reason = f"fp32 context of {fp32_bytes / 2**30:.2f} GiB exceeds the memory budget of {budget} GiB"
@@ -169,7 +161,7 @@ def _run_steps(sink, lm, todo: dict[int, list[str]]) -> None:
             continue
         try:
             t0 = time.perf_counter()
-            cache = prefill(lm.model, cell.prefill_ids[done_tokens:L], cache, cfg["niah"]["prefill_chunk"])
+            cache = prefill(lm.model, cell.prefill_ids[done_tokens:L], cache, cfg.niah.prefill_chunk)
             ttft += time.perf_counter() - t0
             done_tokens = L
         except (torch.OutOfMemoryError, MemoryError) as err:
@@ -183,7 +175,7 @@ def _run_steps(sink, lm, todo: dict[int, list[str]]) -> None:
 def _step_rows(sink, lm, kv, L: int, methods: dict, names: list[str], cell, probe: bool, ttft: float, cuda: bool) -> list[dict]:
     """The rows of ``names`` at the step of length ``L``, whose context is ``kv``: each of ``methods`` (the reference first) is
     stored, probed and decoded, then all are decoded together for the paired TPOT."""
-    s = sweep_settings(sink.cfg)
+    s = sink.cfg.sweep
     ref = next(iter(methods))
     answers, firsts, rows = {}, {}, {}
     for name, method in methods.items():
@@ -202,7 +194,7 @@ def _step_rows(sink, lm, kv, L: int, methods: dict, names: list[str], cell, prob
         row["prefill_s"] = ttft
         rows[name] = row
     try:
-        paired = _paired_tpot(lm, kv, {n: methods[n] for n in rows}, firsts, s["decode_steps"], ref) if ref in rows else {}
+        paired = _paired_tpot(lm, kv, {n: methods[n] for n in rows}, firsts, s.decode_steps, ref) if ref in rows else {}
     except (torch.OutOfMemoryError, MemoryError) as err:
         reason = f"paired decode of {len(rows)} caches at once: {str(err)[:250]}"
         rows = {n: {**row, "status": "oom", "reason": reason} for n, row in rows.items()}
@@ -216,7 +208,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
     gpus = model_cuda_devices(lm.model)  # several when the model is spread over GPUs: memory is their sum
     for i in gpus:
         torch.cuda.reset_peak_memory_stats(i)
-    sampler = MemorySampler(hz=s["hz"], source="cuda" if cuda else "rss", devices=gpus).start()
+    sampler = MemorySampler(hz=s.hz, source="cuda" if cuda else "rss", devices=gpus).start()
     try:
         t0 = time.perf_counter()
         stored = PackedCache.from_states(kv, method, keep_dequantized=False, fused_decode=True)
@@ -225,7 +217,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
         with fused_decoding(lm.model):
             answer = ask(lm.model, lm.tokenizer, stored, cell.question_ids, cell.answer_ids, 1)
             first = (lm.tokenizer.encode(answer.text, add_special_tokens=False)[:1] or [lm.tokenizer.eos_token_id])[0]
-            tokens = _greedy(lm.model, stored, first, s["decode_steps"])
+            tokens = _greedy(lm.model, stored, first, s.decode_steps)
     finally:
         sampler.stop()
     values = kv_entries(kv)
@@ -244,7 +236,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
         "kv_bytes_analytical": method.analytical_bits(lm.head_dim) * values / 8,
         "bits_per_value": 8 * nbytes["total"] / values,
         "quantize_s": quantize_s,
-        "decode_steps": s["decode_steps"],
+        "decode_steps": s.decode_steps,
         "peak_memory_bytes": sum(torch.cuda.max_memory_allocated(i) for i in gpus) if cuda else sampler.peak,
         "memory_source": "cuda max_memory_allocated" if cuda else "process RSS",
         "trace_source": sampler.reader,
@@ -254,28 +246,28 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
     }
 
 
-def first_request_ttft(cfg: dict, target: int, warmup: int = 0) -> dict:
+def first_request_ttft(cfg: Config, target: int, warmup: int = 0) -> dict:
     """In this process: load the model, optionally run a ``warmup``-token request, then time a ``target``-token prefill.
 
     Call it in a fresh process (see :func:`cold_vs_warm`): "cold" means the first request after loading.
     """
     from ..models import load_model
 
-    torch.set_num_threads(cfg["threads"])
-    lm = load_model(cfg["model"], device=cfg["device"])
-    ids = tokenize_haystack(haystack_text(cfg["haystack"], env.ROOT / cfg["haystack_folder"]), lm.tokenizer, target).ids
+    torch.set_num_threads(cfg.threads)
+    lm = load_model(cfg.model, device=cfg.device)
+    ids = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, target).ids
     out = {"target": target, "warmup": warmup}
     if warmup:
         t0 = time.perf_counter()
-        prefill(lm.model, ids[:warmup], chunk=cfg["niah"]["prefill_chunk"])
+        prefill(lm.model, ids[:warmup], chunk=cfg.niah.prefill_chunk)
         out["warmup_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    prefill(lm.model, ids[-target:], chunk=cfg["niah"]["prefill_chunk"])
+    prefill(lm.model, ids[-target:], chunk=cfg.niah.prefill_chunk)
     out["ttft_s"] = time.perf_counter() - t0
     return out
 
 
-def cold_vs_warm(cfg: dict, target: int, warmup: int, repeats: int = 1) -> dict:
+def cold_vs_warm(cfg: Config, target: int, warmup: int, repeats: int = 1) -> dict:
     """TTFT of the first ``target``-token request in a fresh process, without and with a ``warmup``-token request
     first, ``repeats`` times each (cold and warm alternate, so a slow spell of the machine hits both).
 

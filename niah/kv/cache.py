@@ -1,48 +1,18 @@
-"""A transformers ``Cache`` that keeps only packed tensors plus a full-precision residual window.
+"""The packed KV cache: a transformers ``Cache`` that keeps each attention layer's context only as packed chunks
+plus a full-precision residual window, and reads it back as the layer's read mode says.
 
-Each layer holds ``chunks``: a list of (packed keys, packed values) blocks, and ``res_k, res_v``: the newest
-tokens in full precision, ``(batch, kv_heads, tokens, head_dim)``.  Whenever the residual grows past
-``method.residual + method.token_group`` tokens, its oldest whole groups are quantized into a new chunk.
-With ``residual = 0`` and ``token_group = 1`` (q8_0, q4_0, fp8...) every token is quantized as soon as it is
-stored, as llama.cpp does, so even the question's own tokens are read back quantized.  Every chunk after the
-first is stored by ``quantize_after(tokens, previous chunk)``: a per-head parameter chosen from the first chunk
-(the prefill, in the needle protocol) is kept for the rest of the layer.  For ``tokenwise``
-formats the newest two chunks are merged while the older one is no longer than the newer (a binary counter) or
-shorter than :data:`MERGE_BELOW` tokens.  ``n`` decode steps leave ``O(log n)`` chunks, each token is copied
-``O(log n)`` times plus at most :data:`MERGE_BELOW` tokens' codes per step, and a step after a long prefill reads
-two chunks, the prefill's and one tail (:mod:`niah.kv.attend`): every chunk costs a fixed Python overhead per
-read, more than copying a few hundred tokens' codes.
+:meth:`PackedCache.from_states` builds it from a prefill and a :class:`~niah.kv.spec.CacheSpec`, choosing each
+layer's class once:
 
-Read modes (``method.read_mode``, :mod:`niah.kv.registry`).  ``strict``: every read goes through the stored
-form, the question's own tokens included, as llama.cpp reads its cache.  ``engine``: vLLM's TurboQuant backend
-(``vllm/v1/attention/backends/turboquant_attn.py``, vLLM 0.34.0), which stores every token before attention and
-then reads, per forward pass of ``n`` new tokens (a chunk of the prompt, of at most ``engine_chunk`` tokens, or a
-decode step):
+* :class:`PackedLayer`: the storage (chunks, flushes, merges, sliding-window drops, bytes) and ``strict`` reads,
+  every pass reading every stored token back from the stored form, as llama.cpp reads its cache;
+* :class:`EngineLayer`: ``engine`` reads, as vLLM's TurboQuant backend reads its cache;
+* :class:`FusedDecodeLayer`, :class:`FusedEngineLayer`: the same, but a decode step attends over the stored codes
+  (:func:`fused_decoding`, :mod:`niah.kv.attend`) instead of a dequantized copy of the whole layer.
 
-* within a prompt's first chunk, the raw keys and values (its prefill attends over what it just computed);
-* in a later chunk of more than :data:`CONTINUATION_DECODE_THRESHOLD` tokens, the earlier tokens dequantized and
-  its own tokens raw (``_continuation_prefill``);
-* in a chunk of at most that many tokens, and in decode steps, everything from the stored form (the decode kernel).
-
-:meth:`PackedCache.from_states` with ``fresh_prompt=True`` stores a context as the first tokens of a prompt: until
-a pass reaches ``engine_chunk`` tokens, the layer keeps their raw keys and values besides the stored form (the
-activations of the prefill in flight, not counted as storage) and reads them.  ``fresh_prompt=False`` stores it as
-a cached prefix (a prefix-cache hit).  Callers split passes at multiples of ``engine_chunk``
-(:meth:`PackedCache.pieces`).
-
-A method's layer policy (:class:`~niah.kv.registry.LayerPolicy`) picks the layers it stores; the others get fp16.
-
-A sliding-window layer (``window`` set) keeps only what transformers' sliding layers keep, the last
-``window - 1`` tokens: it is read back that far, and a chunk is dropped once every one of its tokens is older
-than that (its chunks are never merged, so they can be dropped whole).  A linear-attention layer's recurrent
-state is kept as the model computed it, in a private copy of transformers' layer (:class:`PackedCache`).
-
-Reading a layer dequantizes its chunks, except in one-token decode steps of a cache made with
-``fused_decode=True`` inside :func:`fused_decoding`: there attention reads the stored chunks one by one
-(:mod:`niah.kv.attend`) and no dequantized copy of the whole cache is built.  ``keep_dequantized=True`` memoizes the dequantized chunks
-(the numbers are identical; quality runs use it for speed); it is *not* storage, and :meth:`nbytes`
-never counts it.  The decode-speed benchmark runs with ``keep_dequantized=False``: every step
-dequantizes the whole stored cache, the real decode path.
+Layers outside the method's :class:`~niah.kv.registry.LayerPolicy` are stored at fp16; linear-attention layers keep
+their recurrent state as the model computed it.  The rules of each read mode, and why: docs/protocol.md ("Cache
+layers and read modes").
 """
 
 from __future__ import annotations
@@ -61,10 +31,13 @@ from .attend import FUSE_MIN_TOKENS, decode_attention
 from .base import concat_tokens
 from .layout import FULL, LINEAR, SLIDING
 from .registry import KVMethod, get_method
+from .spec import CacheSpec
 
 CONTINUATION_DECODE_THRESHOLD = 128  # vLLM's _CONTINUATION_DECODE_THRESHOLD (turboquant_attn.py)
 FUSED = "niah_packed"  # the attention implementation that reads PackedLayer codes in decode steps
-MERGE_BELOW = 256  # tokens: a chunk shorter than this absorbs the next one (tokenwise formats)
+# tokens: a chunk shorter than this absorbs the next one (tokenwise formats), as every chunk costs a fixed Python
+# overhead per read, more than copying a few hundred tokens' codes
+MERGE_BELOW = 256
 
 
 @dataclass
@@ -85,31 +58,35 @@ class LayerState:
 
 
 class PackedLayer(CacheLayerMixin):
+    """One attention layer stored with ``method`` and read ``strict``: every pass reads every stored token back from
+    the stored form, its own tokens included.
+
+    ``chunks``: (packed keys, packed values) blocks, oldest first; ``res_k, res_v``: the newest tokens in full
+    precision, ``(batch, kv_heads, tokens, head_dim)``.  Once the residual holds more than ``method.residual +
+    method.token_group`` tokens, its oldest whole groups become a new chunk (``residual = 0``, ``token_group = 1``:
+    every token is coded as soon as it is stored, as llama.cpp does).  Every chunk after the first is coded by
+    ``quantize_after(tokens, previous chunk)``, keeping a per-head parameter chosen from the first chunk (the prefill).
+    ``window``: a sliding-window layer's window; it keeps and reads its last ``window - 1`` tokens.
+    ``keep_dequantized``: memoize the dequantized chunks (full-attention layers; speed only, not storage).
+    """
+
     is_croppable = False
 
-    def __init__(
-        self,
-        method: KVMethod,
-        layer_idx: int,
-        keep_dequantized: bool = True,
-        fused_decode: bool = False,
-        window: int | None = None,
-        raw_until: int | None = None,
-    ):
+    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool = True, window: int | None = None):
         super().__init__()
-        self.raw_until = raw_until  # engine reads: raw keys and values for passes that end by this token (None: strict reads)
-        self.raw: tuple[torch.Tensor, torch.Tensor] | None = None  # those raw keys and values, while a pass may read them
         self.method = method
         self.window = window
-        self.is_sliding = window is not None
         self.seen = 0  # tokens this layer has read (a sliding layer keeps only the last window - 1 of them)
-        self.fused_decode = fused_decode and window is None
         self.kq = method.key.for_layer(layer_idx)
         self.vq = method.value.for_layer(layer_idx)
         self.keep_dequantized = keep_dequantized and window is None
         self.chunks: list = []
         self.res_k = self.res_v = None
         self._deq: tuple[torch.Tensor, torch.Tensor] | None = None  # the first tokens, dequantized (memo)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
 
     @property
     def layer_type(self) -> str:
@@ -121,14 +98,44 @@ class PackedLayer(CacheLayerMixin):
         self.res_v = value_states[..., :0, :]
         self.is_initialized = True
 
-    def clone(self) -> "PackedLayer":
-        """A copy that shares the (immutable) packed chunks and residual tensors."""
-        other = PackedLayer.__new__(PackedLayer)
-        other.__dict__.update(self.__dict__)
+    def clone(self) -> PackedLayer:
+        """A copy of the same class that shares the (immutable) packed chunks and residual tensors."""
+        other = copy.copy(self)
         other.chunks = list(self.chunks)
         return other
 
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store the pass's new keys and values ``(batch, kv_heads, n, head_dim)``; return what it attends over, every
+        visible token read back from the stored form."""
+        visible = self._append(key_states, value_states)
+        return self._in_window(*self._read(), visible)
+
+    def _append(self, key_states, value_states) -> int:
+        """Store new tokens; return how many tokens their pass sees (transformers' mask size)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        visible = self.get_mask_sizes(n)[0]
+        self.seen += n
+        self.res_k = torch.cat([self.res_k, key_states], dim=-2)
+        self.res_v = torch.cat([self.res_v, value_states], dim=-2)
+        self._flush()
+        return visible
+
+    def _in_window(self, k, v, visible: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass's keys and values ``k, v``: in a sliding-window layer cut to the ``visible`` newest (and the chunks
+        now outside the window dropped), else as they are."""
+        if self.is_sliding:
+            self._drop_outside_window()
+            k, v = k[..., -visible:, :], v[..., -visible:, :]
+        return k, v
+
     def _flush(self) -> None:
+        """Code the residual's oldest whole groups beyond ``method.residual`` into a new chunk.  For ``tokenwise``
+        formats the newest two chunks are then merged while the older is no longer than the newer (a binary counter)
+        or shorter than :data:`MERGE_BELOW`: ``n`` decode steps leave ``O(log n)`` chunks, and a step after a long
+        prefill reads two, the prefill's and one tail.  A sliding layer's chunks are never merged, so that they can
+        be dropped whole."""
         group, keep = self.method.token_group, self.method.residual
         n = self.res_k.shape[-2] - keep
         n -= n % group
@@ -142,7 +149,9 @@ class PackedLayer(CacheLayerMixin):
             self.chunks.append((self.kq.quantize(k), self.vq.quantize(v)))
         self.res_k, self.res_v = self.res_k[..., n:, :].contiguous(), self.res_v[..., n:, :].contiguous()
         if self.kq.tokenwise and self.vq.tokenwise and not self.is_sliding:
-            while len(self.chunks) > 1 and self.chunks[-2][0].shape[-2] <= max(self.chunks[-1][0].shape[-2], MERGE_BELOW - 1):
+            while len(self.chunks) > 1 and (
+                self.chunks[-2][0].shape[-2] <= max(self.chunks[-1][0].shape[-2], MERGE_BELOW - 1)
+            ):
                 (k0, v0), (k1, v1) = self.chunks[-2:]
                 self.chunks[-2:] = [(concat_tokens(k0, k1), concat_tokens(v0, v1))]
 
@@ -166,54 +175,13 @@ class PackedLayer(CacheLayerMixin):
             self._deq = deq
         return deq
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        visible = self.get_mask_sizes(n)[0]
-        reads = self._engine_reads(n)
-        if reads == "own_raw":  # the tokens stored before this pass, dequantized, then its own raw ones
-            before = self._read()
-        self.seen += n
-        self.res_k = torch.cat([self.res_k, key_states], dim=-2)
-        self.res_v = torch.cat([self.res_v, value_states], dim=-2)
-        self._flush()
-        if self.fused_decode and n == 1:
-            return self, self  # read by packed_attention (one decode step), not dequantized
-        if reads == "raw":
-            k, v = key_states, value_states
-            if self.raw is not None:
-                k, v = torch.cat([self.raw[0], k], dim=-2), torch.cat([self.raw[1], v], dim=-2)
-            keep = k.shape[-2] if self.window is None else self.window - 1
-            self.raw = (k[..., -keep:, :], v[..., -keep:, :])
-        elif reads == "own_raw":
-            k, v = torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
-        else:
-            k, v = self._read()
-        if self.is_sliding:
-            self._drop_outside_window()
-            k, v = k[..., -visible:, :], v[..., -visible:, :]
-        return k, v
-
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token, read back: ``(B, H, T, D)`` keys and values (chunks dequantized, then the residual)."""
         dk, dv = self._dequantized()
         return torch.cat([dk, self.res_k], dim=-2), torch.cat([dv, self.res_v], dim=-2)
 
-    def _engine_reads(self, n: int) -> str:
-        """How a pass of ``n`` new tokens reads this layer: ``raw``, ``own_raw`` or ``stored`` (module docstring)."""
-        if self.raw_until is None:
-            return "stored"
-        if self.seen + n <= self.raw_until:
-            return "raw"
-        self.raw = None  # the prompt's first chunk is over
-        return "own_raw" if n > CONTINUATION_DECODE_THRESHOLD else "stored"
-
     def end_prompt(self) -> None:
-        """The prompt is read: later passes are decode steps (or a teacher-forced run of them) and, in engine
-        mode, read the stored form, as vLLM's decode kernel does."""
-        if self.raw_until is not None:
-            self.raw_until, self.raw = min(self.raw_until, self.seen), None
+        """The prompt is read; strict reads do not change with it."""
 
     def _drop_outside_window(self) -> None:
         """Drop the oldest chunks while the rest still holds the last ``window - 1`` tokens."""
@@ -243,65 +211,114 @@ class PackedLayer(CacheLayerMixin):
         return packed, res
 
 
-SLIDING_LAYERS = ("quantize", "fp16")  # how sliding-window layers are stored: with the method, or kept at fp16
+class FusedDecodeLayer(PackedLayer):
+    """A full-attention :class:`PackedLayer` whose decode steps (one-token passes) return the layer itself: inside
+    :func:`fused_decoding`, :func:`packed_attention` then scores its stored chunks one by one (:mod:`niah.kv.attend`)
+    and no dequantized copy of the whole layer is built."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[-2] != 1:
+            return super().update(key_states, value_states)
+        self._append(key_states, value_states)
+        return self, self
+
+
+class EngineLayer(PackedLayer):
+    """A :class:`PackedLayer` read ``engine``: as vLLM's TurboQuant backend (``vllm/v1/attention/backends/
+    turboquant_attn.py``, vLLM 0.34.0), which stores every token before attention, then reads, per forward pass:
+
+    * within the prompt's first chunk (passes that end by token ``raw_until``), the raw keys and values;
+    * in a later pass of more than :data:`CONTINUATION_DECODE_THRESHOLD` tokens, the earlier tokens dequantized and its
+      own raw (``_continuation_prefill``);
+    * in a shorter pass, and in decode steps, everything from the stored form (the decode kernel), as strict reads.
+
+    ``raw_until``: the prompt's chunk, or 0 when the stored context is a cached prefix (a prefix-cache hit).  ``raw``:
+    the raw keys and values the first chunk has read so far (the prefill's activations in flight, not storage).
+    """
+
+    def __init__(self, method: KVMethod, layer_idx: int, keep_dequantized: bool, window: int | None, raw_until: int):
+        super().__init__(method, layer_idx, keep_dequantized, window)
+        self.raw_until = raw_until
+        self.raw: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = key_states.shape[-2]
+        first_chunk = self.seen + n <= self.raw_until
+        if first_chunk:
+            earlier = self.raw  # what the chunk's earlier passes read, raw
+        elif n > CONTINUATION_DECODE_THRESHOLD:  # a continuation prefill: the tokens stored before it, dequantized
+            earlier, self.raw = (self._read() if self.is_initialized else None), None
+        else:  # a short continuation or a decode step: vLLM's decode kernel reads the stored form, as strict reads
+            self.raw = None
+            return super().update(key_states, value_states)
+        visible = self._append(key_states, value_states)
+        k, v = key_states, value_states
+        if earlier is not None:
+            k, v = torch.cat([earlier[0], k], dim=-2), torch.cat([earlier[1], v], dim=-2)
+        if first_chunk:  # the chunk's next pass reads them again (a sliding layer: its window)
+            keep = k.shape[-2] if self.window is None else self.window - 1
+            self.raw = (k[..., -keep:, :], v[..., -keep:, :])
+        return self._in_window(k, v, visible)
+
+    def end_prompt(self) -> None:
+        """The prompt is read: later passes are decode steps (or a teacher-forced run of them) and read the stored
+        form, as vLLM's decode kernel does."""
+        self.raw_until, self.raw = min(self.raw_until, self.seen), None
+
+
+class FusedEngineLayer(EngineLayer, FusedDecodeLayer):
+    """An :class:`EngineLayer` whose passes that read the stored form take :class:`FusedDecodeLayer`'s path: a
+    one-token one returns the layer itself (a one-token pass within the prompt's first chunk still reads raw)."""
+
+
+def _layer(spec: CacheSpec, method: KVMethod, layer_idx: int, window: int | None) -> PackedLayer:
+    """An empty layer of the class that reads as ``spec`` says, storing with ``method``."""
+    fused = spec.fused_decode and window is None  # a sliding layer's reads are cut to its window: always dequantized
+    if spec.engine_chunk is None:
+        return (FusedDecodeLayer if fused else PackedLayer)(method, layer_idx, spec.keep_dequantized, window)
+    raw_until = spec.engine_chunk if spec.fresh_prompt else 0  # a cached prefix: its first chunk is long over
+    return (FusedEngineLayer if fused else EngineLayer)(method, layer_idx, spec.keep_dequantized, window, raw_until)
 
 
 class PackedCache(Cache):
-    """One :class:`PackedLayer` per attention layer, a private copy of transformers' layer per linear-attention one.
+    """One :class:`PackedLayer` per attention layer, a private copy of transformers' layer per linear-attention one,
+    built by :meth:`from_states` as ``spec`` says."""
 
-    ``sliding="fp16"`` keeps sliding-window layers at fp16 and stores only full-attention layers with the method;
-    the default ``"quantize"`` stores every attention layer with it.
-    """
-
-    def __init__(self, method: KVMethod, layers: list, engine_chunk: int | None = None):
+    def __init__(self, spec: CacheSpec, layers: list):
         super().__init__(layers=layers)
-        self.method = method
-        self.engine_chunk = engine_chunk  # engine reads: the prompt's chunk size (None: strict reads)
+        self.spec = spec
 
     def pieces(self, ids: list[int]) -> list[list[int]]:
-        """``ids``, the next tokens, in the forward passes that read them: split at multiples of ``engine_chunk``
-        (engine reads), or one pass."""
-        if self.engine_chunk is None:
+        """``ids``, the next tokens, in the forward passes that read them: split at multiples of the spec's
+        ``engine_chunk`` (engine reads), or one pass."""
+        chunk = self.spec.engine_chunk
+        if chunk is None:
             return [ids]
         start, out = next(layer.seen for layer in self.layers if isinstance(layer, PackedLayer)), []
         while ids:
-            take = self.engine_chunk - start % self.engine_chunk
+            take = chunk - start % chunk
             out.append(ids[:take])
             ids, start = ids[take:], start + take
         return out
 
     @classmethod
-    def from_states(
-        cls,
-        states: list[LayerState],
-        method: KVMethod,
-        keep_dequantized: bool = True,
-        fused_decode: bool = False,
-        sliding: str = "quantize",
-        engine_chunk: int | None = None,
-        fresh_prompt: bool = True,
-    ) -> "PackedCache":
-        """Store a prefilled context (:func:`niah.experiments.protocol.context_states`) with ``method``, in the layers
-        its policy stores (and, ``sliding="fp16"``, not in sliding-window layers); the others at fp16.  A method read in
-        ``engine`` mode needs ``engine_chunk``; ``fresh_prompt``: the context is the start of a prompt, not a cached prefix."""
-        if sliding not in SLIDING_LAYERS:
-            raise ValueError(f"unknown sliding-layer storage {sliding!r}: choose {' or '.join(SLIDING_LAYERS)}")
-        engine = method.read_mode == "engine"
-        if engine and not engine_chunk:
-            raise ValueError(f"{method.name} reads the cache as vLLM does and needs the prompt's chunk size (niah.engine_chunk)")
+    def from_states(cls, states: list[LayerState], spec: CacheSpec) -> PackedCache:
+        """Store a prefilled context (:func:`niah.experiments.protocol.context_states`) with ``spec.method`` in the
+        layers its policy stores (and, ``spec.sliding == "fp16"``, not in sliding-window layers), the others at fp16,
+        each in the layer class that reads as ``spec`` says."""
         hybrid = any(st.kind == LINEAR for st in states)
         layers = []
         for i, st in enumerate(states):
             if st.kind == LINEAR:
                 layers.append(copy.deepcopy(st.linear))
                 continue
-            stored = method.layers.stores(i, st.kind, len(states), hybrid) and not (st.kind == SLIDING and sliding == "fp16")
-            raw_until = (engine_chunk if fresh_prompt else 0) if engine else None
-            layer = PackedLayer(method if stored else get_method("fp16"), i, keep_dequantized, fused_decode, st.window, raw_until)
+            stored = spec.method.layers.stores(i, st.kind, len(states), hybrid)
+            stored = stored and not (st.kind == SLIDING and spec.sliding == "fp16")
+            layer = _layer(spec, spec.method if stored else get_method("fp16"), i, st.window)
             layer.update(st.keys, st.values)
             layer.seen = st.seen
             layers.append(layer)
-        return cls(method, layers, engine_chunk if engine else None)
+        return cls(spec, layers)
 
     def dequantize_now(self) -> None:
         """Dequantize every stored chunk now (``keep_dequantized`` layers), so that clones share the result
@@ -310,10 +327,10 @@ class PackedCache(Cache):
             if isinstance(layer, PackedLayer) and layer.keep_dequantized:
                 layer._dequantized()
 
-    def clone(self) -> "PackedCache":
-        other = PackedCache.__new__(PackedCache)
-        other.__dict__.update(self.__dict__)
-        other.layers = [layer.clone() if isinstance(layer, PackedLayer) else copy.deepcopy(layer) for layer in self.layers]
+    def clone(self) -> PackedCache:
+        """A copy whose layers share the stored chunks (:meth:`PackedLayer.clone`)."""
+        other = copy.copy(self)
+        other.layers = [x.clone() if isinstance(x, PackedLayer) else copy.deepcopy(x) for x in self.layers]
         return other
 
     def end_prompt(self) -> None:
@@ -346,7 +363,7 @@ def linear_state_bytes(layer: LinearAttentionCacheLayerMixin) -> int:
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers attention function: decode steps of a ``fused_decode`` cache read the codes; else SDPA."""
+    """transformers attention function: decode steps of a :class:`FusedDecodeLayer` read its codes; else SDPA."""
     if isinstance(key, PackedLayer):
         out = decode_attention(query, key, module.scaling if scaling is None else scaling)
         return out.transpose(1, 2).contiguous(), None
@@ -376,7 +393,7 @@ def warm_up(method: KVMethod, kv_heads: int, head_dim: int, device: torch.device
     """Compile ``method``'s kernels now (numba row kernels, compiled encoders: store, prefill-style read, decode
     step), so timings exclude it."""
     x = torch.randn(1, kv_heads, 2 * FUSE_MIN_TOKENS + 1, head_dim, device=device)
-    layer = PackedLayer(method, 0, keep_dequantized=False, fused_decode=True)
+    layer = FusedDecodeLayer(method, 0, keep_dequantized=False)
     layer.update(x[..., :-1, :], x[..., :-1, :])
     layer.update(x[..., -1:, :], x[..., -1:, :])
     decode_attention(x[..., -1:, :].repeat(1, 2, 1, 1), layer, head_dim**-0.5)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..experiments.scoring import wilson_interval
+from ..config import Config
+from .stats import wilson_interval
 
 
 def summarize(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
@@ -97,13 +98,13 @@ def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def kv_value_share(lm, cfg: dict, tokens: int = 2048, bound: float = 6.0) -> float:
+def kv_value_share(lm, cfg: Config, tokens: int = 2048, bound: float = 6.0) -> float:
     """Share of the real model's K and V values within [-bound, bound] over a ``tokens``-token pydoc prefill (claim S0-8)."""
     from ..data.haystack import haystack_text, tokenize_haystack
     from ..experiments.protocol import context_states, prefill
 
-    ids = tokenize_haystack(haystack_text(cfg["haystack"]), lm.tokenizer, tokens).ids[:tokens]
-    states = [s for s in context_states(prefill(lm.model, ids, chunk=cfg["niah"]["prefill_chunk"])) if s.keys is not None]
+    ids = tokenize_haystack(haystack_text(cfg.haystack), lm.tokenizer, tokens).ids[:tokens]
+    states = [s for s in context_states(prefill(lm.model, ids, chunk=cfg.niah.prefill_chunk)) if s.keys is not None]
     inside = sum(int((t.abs() <= bound).sum()) for s in states for t in (s.keys, s.values))
     total = sum(t.numel() for s in states for t in (s.keys, s.values))
     return inside / total

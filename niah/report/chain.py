@@ -20,7 +20,7 @@ def chain() -> list[Path]:
 
 def run_dir(config: str, run_root: Path | None = None) -> Path:
     """The run folder of ``config`` (a name from ``configs/`` or a YAML path): ``papermill_runs/<its name:>``."""
-    return (run_root or ROOT / "papermill_runs") / load_config(config)["name"]
+    return (run_root or ROOT / "papermill_runs") / load_config(config).name
 
 
 def reproduce(config: str, only: list[str] | None = None, run_root: Path | None = None, figures_root: Path | None = None) -> dict:
@@ -41,7 +41,7 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
         raise FileNotFoundError(
             f"no notebook starts with {', '.join(map(repr, unknown))}: choose among {', '.join(nb.name[:2] for nb in chain())}"
         )
-    name = cfg["name"]
+    name = cfg.name
     out = (run_root or ROOT / "papermill_runs") / name
     hold_lock(out, f"run folder {out}")
     out.mkdir(parents=True, exist_ok=True)
@@ -172,5 +172,5 @@ def check(config: str, run_root: Path | None = None) -> dict:
         if c.cell_type == "code"
         for o in c.get("outputs", [])
     )
-    floor = len(load_config(config)["niah"]["methods"])  # at least one needle heatmap per KV method
+    floor = len(load_config(config).niah.methods)  # at least one needle heatmap per KV method
     return check_report(target, [c.id for c in CLAIMS], max(figures, floor))

@@ -116,7 +116,7 @@ def quality_vs_bits(summary: pd.DataFrame):
 
 
 def loss_breakdown(table: pd.DataFrame, parts: dict[str, tuple[str, str]], value: str = "kl_vs_ref"):
-    """Per KV method, ``value`` (from :func:`niah.experiments.kvppl.perplexity_table`) of the whole method and of
+    """Per KV method, ``value`` (from :func:`niah.report.tables.perplexity_table`) of the whole method and of
     its breakdown rows (``parts``: row method -> (method, part)), one bar each: where the loss comes from."""
     by_name = table.set_index("method")[value]
     names = list(dict.fromkeys(m for m, _ in parts.values()))

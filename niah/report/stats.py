@@ -1,4 +1,5 @@
-"""Paired statistics for method-vs-reference comparisons on the same questions, and interval verdicts.
+"""Paired statistics for method-vs-reference comparisons on the same questions, Wilson intervals for accuracies,
+and interval verdicts.
 
 Every comparison here pairs the two methods question by question (the same context, needle and prompt), and
 treats questions as independent draws; questions that share a context share its haystack, so the intervals are
@@ -7,11 +8,25 @@ if anything a little narrow.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import pandas as pd
 from scipy.stats import binomtest
 
 ALPHA = 0.05
 BOOTSTRAP = 2000
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion (``successes`` may be fractional, e.g. summed scores)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def mcnemar_exact(ref_correct, other_correct) -> dict:
@@ -65,10 +80,6 @@ def paired_table(df, ref: str = "fp16", by: tuple[str, ...] = ("length",), seed:
     ``n``, ``accuracy`` with its 95% Wilson interval, McNemar's exact ``p`` (with ``losses`` and ``gains``), the
     mean answer log-prob difference (method - ref) with a paired bootstrap interval, and the smallest drop the
     design can detect at that ``n``.  ``df`` is a needle results table (battery or grid rows)."""
-    import pandas as pd
-
-    from ..experiments.scoring import wilson_interval
-
     ok = df[df["status"] == "ok"]
     keys = [*by, *(k for k in PAIR_KEY if k not in by)]
     refs = ok[ok["method"] == ref].set_index(keys)

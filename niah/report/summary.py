@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..config import Config
 from ..rundir import RunDir
+from .analysis import accuracy_table, at_lengths, read_mode_table
+from .stats import paired_table
+from .tables import agreement_table, interaction_table, perplexity_table, speed_table, weights_kv_table
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -22,7 +26,7 @@ class NoResults(FileNotFoundError):
 def _needle_rows(run: RunDir) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows = run.rows("needles")
     if not len(rows):
-        raise NoResults(f"no results in {run.path}: run `make reproduce CONFIG={run.cfg['name']}` first")
+        raise NoResults(f"no results in {run.path}: run `make reproduce CONFIG={run.cfg.name}` first")
     ok = rows[rows["status"] == "ok"]
     if not len(ok):
         counts = ", ".join(f"{n} {s}" for s, n in rows["status"].value_counts().items())
@@ -62,14 +66,12 @@ def _header(run: RunDir, ok: pd.DataFrame) -> str:
         cut = timing["interrupted_runs_s"]
         wall += f", after {len(cut)} interrupted run(s) of {sum(cut) / 60:.1f} min: {timing['total_with_interrupted'] / 60:.1f} min in all"
     return (
-        f"Config `{run.cfg['name']}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
+        f"Config `{run.cfg.name}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
         f"last row {ok['time'].max()}; machine: {machine}; chain wall time: {wall}."
     )
 
 
 def _paired(ok: pd.DataFrame, ref: str) -> pd.DataFrame:
-    from .stats import paired_table
-
     t = paired_table(ok, ref)
     t = t[t["method"] != ref]
     return pd.DataFrame(
@@ -90,8 +92,6 @@ def _paired(ok: pd.DataFrame, ref: str) -> pd.DataFrame:
 
 
 def _perplexity(rows: pd.DataFrame, ref: str) -> pd.DataFrame:
-    from ..experiments.kvppl import perplexity_table
-
     t = perplexity_table(rows, ref)
     return pd.DataFrame(
         {
@@ -114,17 +114,14 @@ def _ledger_counts(run: RunDir) -> str:
     return ", ".join(f"{counts[v]} {v}" for v in ("supported", "refuted", "partly", "inconclusive", "untestable") if v in counts)
 
 
-def _weights_parts(cfg: dict, run: RunDir) -> list[str]:
+def _weights_parts(cfg: Config, run: RunDir) -> list[str]:
     """Notebook 01's weights x KV table, the interaction and the AutoRound check, where the run has them."""
-    from ..weightquant.needle import interaction_table, weights_kv_table
-    from ..weightquant.settings import settings
-
-    s, parts = settings(cfg), []
+    s, parts = cfg.weightquant, []
     rows = run.rows("weightquant_needles")
     if len(rows):
-        rows = rows[rows["method"].isin(s["kv_methods"]) & rows["length"].isin(s["needle_lengths"])]
+        rows = rows[rows["method"].isin(s.kv_methods) & rows["length"].isin(s.needle_lengths)]
     if len(rows) and (rows["status"] == "ok").any():
-        table = weights_kv_table(rows, cfg["seed"])
+        table = weights_kv_table(rows, cfg.seed)
         cols = ["weights", "kv", "length", "n", "accuracy", "ci_low", "ci_high", "losses", "gains", "p"]
         cols += ["logprob_diff", "logprob_low", "logprob_high"]
         parts += [
@@ -132,7 +129,7 @@ def _weights_parts(cfg: dict, run: RunDir) -> list[str]:
             "same questions: McNemar's exact p, answer log-prob difference with a paired bootstrap interval):\n",
             table[cols].round(3).to_markdown(index=False),
         ]
-        inter = interaction_table(rows, cfg["seed"])
+        inter = interaction_table(rows, cfg.seed)
         if len(inter):
             parts += [
                 "\n**Interaction**: the KV method's answer log-prob cost on the scheme's weights minus its cost on fp32 "
@@ -148,23 +145,19 @@ def _weights_parts(cfg: dict, run: RunDir) -> list[str]:
     return parts
 
 
-def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
+def summary_markdown(cfg: Config, folder: str | Path | None = None) -> str:
     """The run's headline tables as Markdown (raises :class:`NoResults` without ``ok`` needle rows)."""
-    from .analysis import accuracy_table, at_lengths
-
     run = RunDir(cfg, folder)
     rows, ok = _needle_rows(run)
-    ref = cfg["niah"]["reference"]
+    ref = cfg.niah.reference
     parts = [
         _header(run, ok),
-        f"\n**Needle accuracy** per method and length (95% Wilson interval, n questions; {cfg['niah']['needle']['kind']} needles):\n",
+        f"\n**Needle accuracy** per method and length (95% Wilson interval, n questions; {cfg.niah.needle['kind']} needles):\n",
         accuracy_table(rows, ref).to_markdown(),
         f"\n**Against {ref} on the same questions**: McNemar's exact test on the paired right/wrong outcomes, the answer "
         "log-prob difference with a paired bootstrap interval, and the smallest drop this n can detect:\n",
         _paired(ok, ref).to_markdown(index=False),
     ]
-    from .analysis import read_mode_table
-
     modes = read_mode_table(ok)
     if len(modes):
         parts += [
@@ -187,8 +180,6 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
         ]
     lcpp = run.rows("llamacpp")
     if len(lcpp) and (lcpp["status"] == "ok").any():
-        from ..experiments.llamacpp import agreement_table, speed_table
-
         parts += [
             "\n**llama.cpp side by side**: its own caches on the same GGUF file and token ids, against this repo's emulation "
             "of each format (`_norot`: without llama.cpp's Hadamard rotation), then its speed and session state per cache:\n",
@@ -201,10 +192,10 @@ def summary_markdown(cfg: dict, folder: str | Path | None = None) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_results(cfg: dict, readme: Path, results_root: Path, folder: str | Path | None = None) -> Path:
+def write_results(cfg: Config, readme: Path, results_root: Path, folder: str | Path | None = None) -> Path:
     """Write ``results/<name>/summary.md`` and put it into ``readme`` between :data:`BEGIN` and :data:`END`."""
     text = summary_markdown(cfg, folder)
-    target = results_root / cfg["name"] / "summary.md"
+    target = results_root / cfg.name / "summary.md"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text, encoding="utf-8")
     body = readme.read_text(encoding="utf-8")

@@ -63,7 +63,7 @@ def kurtosis_vs_error(layers: pd.DataFrame, title: str):
 
 
 def combined_heatmap(table: pd.DataFrame, weights: list[str], methods: list[str]):
-    """Weight scheme x KV method at one length (``table``: :func:`niah.weightquant.needle.weights_kv_table` rows of that
+    """Weight scheme x KV method at one length (``table``: :func:`niah.report.tables.weights_kv_table` rows of that
     length): needle accuracy (colour) with its Wilson interval and n, McNemar's p and the mean answer log-prob
     difference against fp32 weights with the fp16 cache on the same questions."""
     grid = table.pivot(index="weights", columns="kv", values="accuracy").reindex(index=weights, columns=methods)

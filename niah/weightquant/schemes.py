@@ -19,7 +19,8 @@ from .pack import PackedLinear
 from .quant import fake_quant_tokens, quantize_weight
 from .salience import InputStats, channel_scores, decoder_linears, magnitude_prune, select_channels, zero_channels
 
-FP32 = "fp32"
+FP32 = "fp32"  # the reference weights of the weights x KV cells
+REF_METHOD = "fp16"  # the reference KV method of the weights x KV cells (asked first)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def zeroed_layers(model, scheme: Scheme, stats: dict[str, InputStats]) -> dict[s
 
 def schemes_01(s: dict) -> dict[str, Scheme]:
     """Notebook 01: fp32, W8A8 (two activation variants), W4A16 RTN and AutoRound, W4A8 with and without int8 outliers, W4A4."""
-    g, pct = s["group"], f"{s['outlier_share']:.0%}"
+    g, pct = s.group, f"{s.outlier_share:.0%}"
     ar = dict(w_bits=4, group=g, rounding="autoround")
     return {
         "fp32": Scheme(FP32),
@@ -168,7 +169,7 @@ def schemes_01(s: dict) -> dict[str, Scheme]:
         "w4a16_rtn": Scheme(f"W4A16 RTN g{g}", w_bits=4, group=g),
         "w4a16_ar": Scheme(f"W4A16 AutoRound g{g}", **ar),
         "w4a8": Scheme(f"W4A8 AutoRound g{g}", **ar, a_bits=8),
-        "w4a8_outliers": Scheme(f"W4A8 AutoRound g{g} +{pct} int8 channels", **ar, a_bits=8, keep=s["outlier_share"], keep_bits=8),
+        "w4a8_outliers": Scheme(f"W4A8 AutoRound g{g} +{pct} int8 channels", **ar, a_bits=8, keep=s.outlier_share, keep_bits=8),
         "w4a4": Scheme(f"W4A4 AutoRound g{g}", **ar, a_bits=4),
     }
 
@@ -176,14 +177,14 @@ def schemes_01(s: dict) -> dict[str, Scheme]:
 def schemes_02(s: dict) -> dict[str, Scheme]:
     """Notebook 02: RTN asym g64 at each salient bit width, with 1% fp16 channels by activation, weight or random,
     AWQ scales, and the 30% activation-aware channel mask vs 30% magnitude pruning."""
-    g, pct, out = s["group"], f"{s['salient_share']:.0%}", {"fp32": Scheme(FP32)}
-    for b in s["salient_bits"]:
+    g, pct, out = s.group, f"{s.salient_share:.0%}", {"fp32": Scheme(FP32)}
+    for b in s.salient_bits:
         rtn = dict(w_bits=b, group=g, sym=False)
         out[f"rtn{b}"] = Scheme(f"W{b}A16 RTN g{g} asym", **rtn)
         for by in ("activation", "weight", "random"):
-            out[f"rtn{b}_{by}"] = Scheme(f"W{b}A16 RTN g{g} asym +{pct} fp16 by {by}", **rtn, keep=s["salient_share"], keep_by=by)
+            out[f"rtn{b}_{by}"] = Scheme(f"W{b}A16 RTN g{g} asym +{pct} fp16 by {by}", **rtn, keep=s.salient_share, keep_by=by)
         out[f"awq{b}"] = Scheme(f"W{b}A16 AWQ g{g} asym", **rtn, rounding="awq")
-    z = f"{s['zero_share']:.0%}"
-    out["mask"] = Scheme(f"{z} channel mask (activation salience)", zero=s["zero_share"], zero_by="activation")
-    out["prune"] = Scheme(f"{z} magnitude pruning", zero=s["zero_share"], zero_by="magnitude")
+    z = f"{s.zero_share:.0%}"
+    out["mask"] = Scheme(f"{z} channel mask (activation salience)", zero=s.zero_share, zero_by="activation")
+    out["prune"] = Scheme(f"{z} magnitude pruning", zero=s.zero_share, zero_by="magnitude")
     return out

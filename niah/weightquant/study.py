@@ -42,7 +42,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..config import weight_model
+from ..config import Config
 from ..experiments.base import provenance
 from ..models import cache_dir
 from ..report.analysis import summarize
@@ -57,7 +57,6 @@ from .needle import needle_battery, run_needles, usable_methods
 from .quant import fake_quant_weight
 from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs, uncoded_weights
 from .schemes import QuantizedModel, Scheme, rtn_layers, schemes_01, with_kept_channels, zeroed_layers
-from .settings import settings
 from .tables import OFFER
 
 
@@ -65,32 +64,32 @@ class Study:
     """Everything a notebook needs, made when first used and kept: calibration and evaluation windows,
     activation statistics, AutoRound weights and AWQ scales (cached on disk), the needle bench."""
 
-    def __init__(self, cfg: dict, lm, run_dir: Path):
-        self.cfg, self.lm, self.run_dir, self.s = cfg, lm, Path(run_dir), settings(cfg)
+    def __init__(self, cfg: Config, lm, run_dir: Path):
+        self.cfg, self.lm, self.run_dir, self.s = cfg, lm, Path(run_dir), cfg.weightquant
         self.table = RunDir(cfg, self.run_dir).table("weightquant")
-        torch.manual_seed(cfg["seed"])
+        torch.manual_seed(cfg.seed)
 
     @cached_property
     def calibration(self) -> torch.Tensor:
-        c = self.s["calibration"]
-        return token_windows(self.lm.tokenizer, split_text("calibration", self.s["calibration_share"]), c["samples"], c["seqlen"])
+        c = self.s.calibration
+        return token_windows(self.lm.tokenizer, split_text("calibration", self.s.calibration_share), c["samples"], c["seqlen"])
 
     @cached_property
     def evaluator(self) -> Evaluator:
-        e = self.s["evaluation"]
+        e = self.s.evaluation
         return Evaluator(
             self.lm.model,
-            token_windows(self.lm.tokenizer, split_text("evaluation", self.s["calibration_share"]), e["windows"], e["length"]),
+            token_windows(self.lm.tokenizer, split_text("evaluation", self.s.calibration_share), e["windows"], e["length"]),
             e["batch"],
         )
 
     @cached_property
     def stats(self):
-        return collect_inputs(self.lm.model, self.calibration, self.s["calibration"]["sample_tokens"], self.cfg["seed"])
+        return collect_inputs(self.lm.model, self.calibration, self.s.calibration["sample_tokens"], self.cfg.seed)
 
     @cached_property
     def kv_methods(self) -> list[str]:
-        ok, missing = usable_methods(self.s["kv_methods"])
+        ok, missing = usable_methods(self.s.kv_methods)
         if missing:
             print(f"KV methods not registered yet, skipped: {missing}")
         return ok
@@ -98,15 +97,15 @@ class Study:
     def _key(self, scheme: Scheme, **extra) -> dict:
         weights = {k: v for k, v in scheme.fields().items() if k in ("w_bits", "group", "w_sym", "rounding")}
         return {
-            "model": weight_model(self.cfg),
+            "model": self.cfg.weights,
             "calibration": windows_hash(self.calibration),
-            "seed": self.cfg["seed"],
+            "seed": self.cfg.seed,
             **weights,
             **extra,
         }
 
     def _autoround(self, scheme: Scheme):
-        a = self.s["autoround"]
+        a = self.s.autoround
         key = self._key(scheme, autoround=a, version=autoround.version())
         windows = self.calibration[: a["samples"], : a["seqlen"]]
         return cached(
@@ -121,7 +120,7 @@ class Study:
                 a["iters"],
                 a["batch_size"],
                 a["amp"],
-                self.cfg["seed"],
+                self.cfg.seed,
             ),
         )
 
@@ -131,7 +130,7 @@ class Study:
         (those layers of the whole-model calibration) and AutoRound at ``autoround_check.iters`` (auto-round's
         default is 200; tuned on those layers alone, cached).  Per row: held-out perplexity, KL and top-1 against
         fp32, and the calibration's seconds per (block, iteration)."""
-        c, a = self.s["autoround_check"], self.s["autoround"]
+        c, a = self.s.autoround_check, self.s.autoround
         S = schemes_01(self.s)
         rtn, ar = S["w4a16_rtn"], S["w4a16_ar"]
         windows = self.calibration[: a["samples"], : a["seqlen"]]
@@ -147,7 +146,7 @@ class Study:
                 c["iters"],
                 a["batch_size"],
                 a["amp"],
-                self.cfg["seed"],
+                self.cfg.seed,
                 blocks=c["blocks"],
             ),
         )
@@ -179,7 +178,7 @@ class Study:
         return pd.DataFrame(rows)
 
     def _awq(self, scheme: Scheme):
-        key = self._key(scheme, awq_grid=self.s["awq_grid"], sample_tokens=self.s["calibration"]["sample_tokens"])
+        key = self._key(scheme, awq_grid=self.s.awq_grid, sample_tokens=self.s.calibration["sample_tokens"])
         return cached(key, lambda: self._awq_search(scheme))
 
     def _awq_search(self, scheme: Scheme):
@@ -197,13 +196,13 @@ class Study:
                 st.sample,
                 st.mean_abs,
                 lambda w: fake_quant_weight(w, scheme.w_bits, scheme.group, scheme.sym),
-                self.s["awq_grid"],
+                self.s.awq_grid,
             )
             alphas[first] = r.alpha
             scales.update({n: r.scale for n in names})
         return rtn_layers(self.lm.model, scheme, scales), {
             "alphas": alphas,
-            "grid": self.s["awq_grid"],
+            "grid": self.s.awq_grid,
             "unscaled": [g for g in groups if g not in alphas],
         }
 
@@ -222,7 +221,7 @@ class Study:
         else:
             raise ValueError(f"unknown rounding {scheme.rounding!r}: use rtn, autoround or awq")
         if scheme.keep:
-            layers = with_kept_channels(model, layers, scheme, self.stats if scheme.keep_by == "activation" else {}, self.cfg["seed"])
+            layers = with_kept_channels(model, layers, scheme, self.stats if scheme.keep_by == "activation" else {}, self.cfg.seed)
         return QuantizedModel(scheme, layers), record
 
     @cached_property
@@ -258,7 +257,7 @@ class Study:
             facts = self._weights_facts
             linear = qm.linear_bytes(self.lm.model)
             zeros = sum(int((w == 0).sum()) for w in qm.dense.values()) / max(sum(w.numel() for w in qm.dense.values()), 1)
-            c = self.s["calibration"]
+            c = self.s.calibration
             row = {
                 **self._base(sch.name),
                 **sch.fields(),
@@ -273,15 +272,15 @@ class Study:
                 "calibration_hash": windows_hash(self.calibration),
                 "calibration_samples": c["samples"],
                 "calibration_seqlen": c["seqlen"],
-                "calibration_share": self.s["calibration_share"],
+                "calibration_share": self.s.calibration_share,
                 "calibrated": record,
             }
             row["ppl_delta"] = row["ppl"] - row["ppl_fp32"]
             row.update(found)
             if sch.name in generate_for:
-                prompt = self.evaluator.windows[0, : self.s["prompt_tokens"]].tolist()
+                prompt = self.evaluator.windows[0, : self.s.prompt_tokens].tolist()
                 with qm.applied(self.lm.model):
-                    ids = generate(self.lm.model, prompt, self.s["generate_tokens"])
+                    ids = generate(self.lm.model, prompt, self.s.generate_tokens)
                 row.update(repetition(ids), generated_tokens=len(ids), generated_text=self.lm.tokenizer.decode(ids))
             row["eval_s"] = round(time.perf_counter() - t0, 1)
             self.table.append(row)
@@ -289,15 +288,15 @@ class Study:
 
     def needle_plan(self, schemes: dict[str, Scheme]) -> dict[str, list[str]]:
         """``{scheme name: KV methods}`` for the schemes of ``weightquant.needle_schemes`` (keys of ``schemes``)."""
-        unknown = sorted(set(self.s["needle_schemes"]) - set(schemes))
+        unknown = sorted(set(self.s.needle_schemes) - set(schemes))
         if unknown:
             raise ConfigError(f"weightquant.needle_schemes: unknown scheme(s) {unknown}; choose from {', '.join(schemes)}")
-        return {schemes[k].name: self.kv_methods for k in self.s["needle_schemes"]}
+        return {schemes[k].name: self.kv_methods for k in self.s.needle_schemes}
 
     def _needle_fields(self, qm: QuantizedModel, methods: list[str]) -> dict:
         path = RunDir(self.cfg, self.run_dir).file("weightquant_needles")
         df = run_needles(self.cfg, self.lm, qm, [m for m in methods if m in self.kv_methods], path)
-        L = min(self.s["needle_lengths"])
+        L = min(self.s.needle_lengths)
         ok = df[(df["method"] == "fp16") & (df["length"] == L)] if len(df) else df
         s = summarize(ok, ["weights"]).iloc[0] if len(ok) else None
         if s is None or not s["n"]:
@@ -331,20 +330,20 @@ class Study:
         """The data and settings behind the numbers: splits, windows, AutoRound and needle settings."""
         from .data import split_keys
 
-        calib, held = split_keys(self.s["calibration_share"])
-        c, e, b = self.s["calibration"], self.s["evaluation"], needle_battery(self.cfg)
+        calib, held = split_keys(self.s.calibration_share)
+        c, e, b = self.s.calibration, self.s.evaluation, needle_battery(self.cfg)
         facts = {
-            "calibration split": f"{len(calib)} pydoc topic keys (sha256 rule, share {self.s['calibration_share']})",
+            "calibration split": f"{len(calib)} pydoc topic keys (sha256 rule, share {self.s.calibration_share})",
             "evaluation split": f"{len(held)} other topic keys; perplexity, KL, generation prompt and needle haystack",
             "calibration windows": f"{c['samples']} x {c['seqlen']} tokens (hash {windows_hash(self.calibration)})",
             "evaluation windows": f"{e['windows']} non-overlapping x {e['length']} tokens = "
             f"{e['windows'] * (e['length'] - 1)} predicted tokens",
             "AutoRound": "iters {iters}, {samples} of the calibration windows cut to {seqlen} tokens, batch {batch_size}, "
-            "amp (bf16) {amp}".format(**self.s["autoround"])
-            + f", group {self.s['group']}",
-            "needle cells": f"the battery's questions at {self.s['needle_lengths']} tokens: {b['contexts']} contexts x {b['needles']} "
-            f"needles ({b['depths']} depths, {b['mode']} mode) per length, over the whole {self.cfg['haystack']} haystack "
-            f"(calibration topics included); KV methods {self.kv_methods}; schemes {self.s['needle_schemes']}",
+            "amp (bf16) {amp}".format(**self.s.autoround)
+            + f", group {self.s.group}",
+            "needle cells": f"the battery's questions at {self.s.needle_lengths} tokens: {b.contexts} contexts x {b.needles} "
+            f"needles ({b.depths} depths, {b.mode} mode) per length, over the whole {self.cfg.haystack} haystack "
+            f"(calibration topics included); KV methods {self.kv_methods}; schemes {self.s.needle_schemes}",
         }
         uncoded = uncoded_weights(self.lm.model)
         if uncoded:

@@ -32,32 +32,6 @@ def view(rows: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def repetition_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Greedy generations: share of repeated 4-grams overall and per segment of the continuation, and its start."""
-    g = rows[rows.get("repeat_share", pd.Series(index=rows.index, dtype=float)).notna()].reset_index(drop=True)
-    segments = pd.DataFrame(list(g["repeat_by_segment"])).add_prefix("repeated, n-grams starting at ")
-    head = pd.DataFrame(
-        {
-            "scheme": [s + (" [simulated]" if sim else "") for s, sim in zip(g["scheme"], g["simulated"])],
-            "tokens": g["generated_tokens"].astype(int),
-            "repeated 4-grams": g["repeat_share"].round(3),
-        }
-    )
-    return pd.concat([head, segments.round(3), g["generated_text"].str.slice(0, 160).rename("text (first 160 characters)")], axis=1)
-
-
-def salient_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Perplexity of the AWQ paper's experiment: round-to-nearest, +kept channels by each choice, and AWQ scales; one
-    column per bit width."""
-    df = rows[(rows["w_bits"] < 16) & (rows["zero_share"] == 0) & (rows["a_bits"] == 16)].copy()
-    df["variant"] = [
-        "AWQ scales" if r == "awq" else (f"+{k:.0%} fp16 by {by}" if k else "round-to-nearest")
-        for r, k, by in zip(df["rounding"], df["keep_share"], df["keep_by"])
-    ]
-    out = df.pivot_table(index="variant", columns="w_bits", values="ppl").rename(columns=lambda b: f"W{int(b)} perplexity")
-    return out.assign(fp32=rows["ppl_fp32"].iloc[0]).round(3)
-
-
 def offer_sentence(offer: dict) -> str:
     """Claim S3-10 in one plain sentence, written from the library check's fields."""
     presets = ", ".join(offer["presets_w4a8"]) or "no preset"

@@ -2,9 +2,10 @@
 
 Each claim has our paraphrase, its seed and section, how it is tested, the threshold that decides the
 verdict (written next to it), and an ``evaluate(ev)`` that reads the measured tables in :class:`Evidence`
-(or does the arithmetic) and returns ``(measured, verdict)``.  Verdicts are ``supported``, ``refuted``,
-``partly``, ``inconclusive (<n and interval>)`` or ``untestable here (<reason>)``; nothing is typed in: change
-the measured input and the verdict follows.
+(or does the arithmetic) and returns ``(measured, verdict)``; each article's module (``seed000``, ``seed001``,
+``seed003``) binds its claim IDs to their evaluators in its ``EVALUATORS`` table.  Verdicts are ``supported``,
+``refuted``, ``partly``, ``inconclusive (<n and interval>)`` or ``untestable here (<reason>)``; nothing is typed
+in: change the measured input and the verdict follows.
 
 A claim tested on noisy data (needle accuracy, KL, perplexity, timings) is ``supported`` or ``refuted`` only
 when the 95% interval of the measured quantity lies wholly on one side of the claim's threshold, so that a
@@ -20,12 +21,15 @@ with its layer types: only its full-attention layers hold a KV cache.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from ...config import ROOT
+from ...env import git_commit
 from . import seed000, seed001, seed003
 from .common import Claim, Evidence, _drops, dense_layout
 from .seed000 import _llamacpp_note
@@ -49,20 +53,20 @@ CLAIMS_FILE = ROOT / "claims" / "claims.yaml"
 
 
 def load_claims(path: Path = CLAIMS_FILE) -> list[Claim]:
-    """The claims of ``claims/claims.yaml``, each bound to its evaluator (``s0_7`` for ``S0-7``)."""
-    import yaml
-
+    """The claims of ``claims/claims.yaml``, each bound to its evaluator by its article's ``EVALUATORS`` table."""
     doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    evaluators = {name: f for m in (seed000, seed001, seed003) for name, f in vars(m).items() if re.fullmatch(r"s\d_\d+", name)}
+    evaluators = {cid: f for m in (seed000, seed001, seed003) for cid, f in m.EVALUATORS.items()}
     claims = []
     for c in doc["claims"]:
-        name = c["id"].lower().replace("-", "_")
-        if name not in evaluators:
-            raise ValueError(f"{path}: claim {c['id']} has no evaluator {name}() in niah/report/claims/")
+        if c["id"] not in evaluators:
+            name = c["id"].lower().replace("-", "_")
+            where = "an EVALUATORS table of niah/report/claims/"
+            raise ValueError(f"{path}: claim {c['id']} has no evaluator {name}() in {where}")
         article = doc["articles"][c["id"].split("-")[0]]["file"]
-        claims.append(Claim(c["id"], article, str(c["section"]), c["claim"], c["test"], c["threshold"], evaluators.pop(name)))
+        evaluate = evaluators.pop(c["id"])
+        claims.append(Claim(c["id"], article, str(c["section"]), c["claim"], c["test"], c["threshold"], evaluate))
     if evaluators:
-        raise ValueError(f"{path} lacks the claims of evaluators {sorted(evaluators)}")
+        raise ValueError(f"{path} lacks the claims of evaluators {sorted(f.__name__ for f in evaluators.values())}")
     return claims
 
 
@@ -103,14 +107,10 @@ def _id_key(cid: str) -> tuple:
 def gather_evidence(run, kv_value_share: float | None = None) -> Evidence:
     """Read whatever this run measured from the :class:`~niah.rundir.RunDir` ``run`` (missing tables stay empty;
     rows of other settings are left out)."""
-    import json
-
-    from ...env import git_commit
-
     cfg = run.cfg
     return Evidence(
-        config=cfg["name"],
-        device=cfg["device"],
+        config=cfg.name,
+        device=cfg.device,
         commit=git_commit(),
         niah=run.rows("needles"),
         sweep=run.rows("sweep"),

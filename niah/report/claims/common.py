@@ -10,9 +10,8 @@ from typing import Callable
 
 import pandas as pd
 
-from ...experiments.scoring import wilson_interval
 from ...kv.layout import FULL, CacheLayout
-from ..stats import ALPHA, interval_verdict, paired_table
+from ..stats import ALPHA, interval_verdict, paired_table, wilson_interval
 
 
 def dense_layout(arch: dict, kv_heads: int | None = None) -> CacheLayout:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ...experiments.scoring import wilson_interval
 from ...kv.layout import FULL, LINEAR, CacheLayout, qwen3_5_35b_a3b_config
-from ..stats import BOOTSTRAP, interval_verdict, paired_bootstrap, paired_table
+from ..stats import BOOTSTRAP, interval_verdict, paired_bootstrap, paired_table, wilson_interval
+from ..tables import speed_table
 from .common import Evidence, _drop_text, _drop_verdict, _drops, _missing, _single
 
 
@@ -28,8 +28,6 @@ def _llamacpp_note(ev: Evidence, what: str) -> str:
     df = ev.llamacpp
     if not len(df) or "lcpp_f16" not in set(df["method"]):
         return ""
-    from ...experiments.llamacpp import speed_table
-
     ok = df[df["status"] == "ok"]
     if what == "accuracy":
         t = paired_table(ok, "lcpp_f16", by=()).set_index("method")
@@ -270,3 +268,23 @@ def s0_15(ev):
     if hi < 0.12 or lo > 0.32:
         return measured, "refuted"
     return measured, f"inconclusive ({n}, reduction {r:.2f} [{lo:.2f}, {hi:.2f}])"
+
+
+# The ledger's binding: claim ID of claims/claims.yaml -> its evaluator (read by niah.report.claims.load_claims).
+EVALUATORS = {
+    "S0-1": s0_1,
+    "S0-2": s0_2,
+    "S0-3": s0_3,
+    "S0-4": s0_4,
+    "S0-5": s0_5,
+    "S0-6": s0_6,
+    "S0-7": s0_7,
+    "S0-8": s0_8,
+    "S0-9": s0_9,
+    "S0-10": s0_10,
+    "S0-11": s0_11,
+    "S0-12": s0_12,
+    "S0-13": s0_13,
+    "S0-14": s0_14,
+    "S0-15": s0_15,
+}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ...experiments.scoring import wilson_interval
-from ..stats import interval_verdict
+from ..stats import interval_verdict, wilson_interval
+from ..tables import perplexity_table
 from .common import Evidence, _drop_text, _drop_verdict, _drops, _missing, _single, dense_layout
 
 # meta-llama/Llama-2-70b-hf config.json: num_hidden_layers 80, num_attention_heads 64, num_key_value_heads 8, hidden 8192
@@ -67,9 +67,7 @@ def s1_2(ev):
 
 
 def _ppl(ev: Evidence) -> pd.DataFrame | None:
-    """:func:`niah.experiments.kvppl.perplexity_table` of this run, indexed by method (None without an fp16 reference)."""
-    from ...experiments.kvppl import perplexity_table
-
+    """:func:`niah.report.tables.perplexity_table` of this run, indexed by method (None without an fp16 reference)."""
     if not len(ev.kv_ppl) or "fp16" not in set(ev.kv_ppl["method"]):
         return None
     return perplexity_table(ev.kv_ppl, "fp16").set_index("method")
@@ -178,3 +176,14 @@ def s1_6(ev):
         return _missing("fp4_e2m1 needle or perplexity rows")
     bits = table.loc["fp4_e2m1", "bits_per_value"]
     return f"{what} stores {bits:.2f} bits/value, perplexity vs fp16: {_ppl_text(table, 'fp4_e2m1')}", "supported"
+
+
+# The ledger's binding: claim ID of claims/claims.yaml -> its evaluator (read by niah.report.claims.load_claims).
+EVALUATORS = {
+    "S1-1": s1_1,
+    "S1-2": s1_2,
+    "S1-3": s1_3,
+    "S1-4": s1_4,
+    "S1-5": s1_5,
+    "S1-6": s1_6,
+}

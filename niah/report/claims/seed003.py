@@ -195,3 +195,20 @@ def s3_12(ev):
         f"{within} of {len(q)} quantized configurations within +1.5 perplexity; worst {worst['scheme']} +{worst['ppl_delta']:.1f}",
         "supported" if within == len(q) else "refuted",
     )
+
+
+# The ledger's binding: claim ID of claims/claims.yaml -> its evaluator (read by niah.report.claims.load_claims).
+EVALUATORS = {
+    "S3-1": s3_1,
+    "S3-2": s3_2,
+    "S3-3": s3_3,
+    "S3-4": s3_4,
+    "S3-5": s3_5,
+    "S3-6": s3_6,
+    "S3-7": s3_7,
+    "S3-8": s3_8,
+    "S3-9": s3_9,
+    "S3-10": s3_10,
+    "S3-11": s3_11,
+    "S3-12": s3_12,
+}
