@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 import warnings
 from typing import TYPE_CHECKING
+
+from .kv.layout import UnsupportedLayout
+from .report.htmlcheck import ReportCheckError
+from .results import ResultsCorrupt, TableLocked, move_tail_aside
 
 if TYPE_CHECKING:  # the CLI imports torch-heavy modules only for the command it runs
     from .config import Config
@@ -52,27 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     warnings.formatwarning = lambda message, *_, **__: f"niah: warning: {message}\n"  # one line, no source echo
 
+    # heavy: config and models load torch, so `niah -h` and a usage error answer without them
     from .cluster import ClusterError
-    from .config import ConfigError
-    from .kv.layout import UnsupportedLayout
-    from .models import ModelUnavailable
-    from .report.htmlcheck import ReportCheckError
-    from .results import ResultsCorrupt, TableLocked
+    from .config import CLUSTER_ENV, ConfigError, load_config
+    from .models import ModelUnavailable, load_model
 
     if getattr(args, "dry_run", False) and getattr(args, "cluster", None):
         print("niah: error: a dry run runs in one process: drop --cluster (or --dry-run)", file=sys.stderr)
         return 2
     if getattr(args, "cluster", None):
-        import os
-
-        from .config import CLUSTER_ENV
-
         os.environ[CLUSTER_ENV] = args.cluster  # read by load_config here and in the notebooks' kernels
     try:
         if args.cmd == "run":
-            from .config import load_config
-            from .experiments.battery import run_needles
-            from .models import load_model
+            from .experiments.battery import run_needles  # heavy: transformers, for this command only
 
             cfg = load_config(args.config)
             if args.methods or args.lengths:
@@ -84,26 +82,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"results: {path}")
             _report_statuses(cfg)
         elif args.cmd == "reproduce":
-            from .report.chain import reproduce
+            from .report.chain import reproduce  # heavy: each command loads its own stage only
 
             config = args.config
             if args.dry_run:
-                from .dryrun import write_dry_config
+                from .dryrun import write_dry_config  # heavy: each command loads its own stage only
 
                 path, left_out = write_dry_config(config)
                 print(f"[dry run] {path}" + "".join(f"\n[dry run] left out: {why}" for why in left_out), flush=True)
                 config = str(path)
             reproduce(config, args.only)
         elif args.cmd == "gpu-check":
-            from .gpucheck import gpu_check
+            from .gpucheck import gpu_check  # heavy: each command loads its own stage only
 
             print(f"gpu check: {gpu_check(args.dry_run)}")
         elif args.cmd == "report":
-            from .report.chain import report
+            from .report.chain import report  # heavy: each command loads its own stage only
 
             print(f"report: {report(args.config)}")
         elif args.cmd == "report-check":
-            from .report.chain import check
+            from .report.chain import check  # heavy: each command loads its own stage only
 
             print(json.dumps(check(args.config), indent=1))
         elif args.cmd == "bench":
@@ -111,12 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "summary":
             _summary(args.config, args.write)
         elif args.cmd == "repair":
-            from .results import move_tail_aside
-
             tail, kept, moved = move_tail_aside(args.path)
             print(f"kept {kept} rows in {args.path}; moved {moved} lines from the damaged one onwards to {tail}")
         elif args.cmd == "env":
-            from .env import environment_record
+            from .env import environment_record  # heavy: each command loads its own stage only
 
             print(json.dumps(environment_record(), indent=1))
     except (
@@ -139,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as err:
         try:
-            from papermill.exceptions import PapermillExecutionError
+            from papermill.exceptions import PapermillExecutionError  # optional extra: notebooks
         except ImportError:
             raise err from None
         if not isinstance(err, PapermillExecutionError):
@@ -152,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _os_problem(err: OSError) -> str:
     """One sentence for a file-system fault: what, where, and the fix."""
-    import errno
-
     fixes = {
         errno.ENOSPC: "the disk is full: free some space",
         errno.EDQUOT: "the disk quota is used up: free some space",
@@ -169,6 +163,7 @@ def _os_problem(err: OSError) -> str:
 
 def _record_environment(cfg: Config) -> None:
     """Write the machine's record into the config's run folder, as notebook 00 does (``summary`` names the machine from it)."""
+    # heavy: torch, for the commands that run a model only
     from .env import environment_record
     from .notebook import save_json
     from .rundir import RunDir
@@ -180,7 +175,7 @@ def _record_environment(cfg: Config) -> None:
 
 def _report_statuses(cfg: Config) -> None:
     """Say on the terminal how the needle rows of ``cfg`` ended; when none is ``ok``, why (with the first reason)."""
-    from .rundir import RunDir
+    from .rundir import RunDir  # heavy: torch, for the commands that run a model only
 
     rows = RunDir(cfg).rows("needles")
     counts = rows["status"].value_counts().to_dict() if len(rows) else {}
@@ -190,6 +185,7 @@ def _report_statuses(cfg: Config) -> None:
 
 
 def _summary(config: str, write: bool) -> None:
+    # heavy: each command loads its own stage only
     from .config import ROOT, load_config
     from .report.summary import summary_markdown, write_results
 
@@ -201,10 +197,14 @@ def _summary(config: str, write: bool) -> None:
 
 
 def _bench_kv(args) -> None:
+    # heavy: each command loads its own stage only
     import torch
 
+    from .config import load_config
+    from .data.haystack import haystack_text, tokenize_haystack
     from .experiments import bench
     from .kv.registry import available
+    from .models import load_model
 
     torch.set_num_threads(args.threads)
     methods = args.methods or [m for m in available() if m != "fp16"]
@@ -213,10 +213,6 @@ def _bench_kv(args) -> None:
     print(f"\n# one decode step's attention over {args.tokens} cached tokens (3 KV heads, 9 query heads, d=64)")
     print(bench.decode_attention(methods, args.tokens).round(3).to_string(index=False))
     if args.hf_context:
-        from .config import load_config
-        from .data.haystack import haystack_text, tokenize_haystack
-        from .models import load_model
-
         lm = load_model(load_config("cpu").model)
         ids = tokenize_haystack(haystack_text("pydoc"), lm.tokenizer, args.hf_context).ids[: args.hf_context]
         print(f"\n# transformers' caches on {lm.name}, {args.hf_context}-token context, decode ms/token")
@@ -224,7 +220,7 @@ def _bench_kv(args) -> None:
 
 
 def _bench_cluster() -> None:
-    from .experiments import clusterbench
+    from .experiments import clusterbench  # heavy: each command loads its own stage only
 
     print("# 2 Ray workers x 1 thread against 1 process x 2 threads (model loads in the workers included)")
     print(json.dumps(clusterbench.workers_vs_threads(), indent=1))

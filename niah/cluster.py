@@ -15,14 +15,16 @@ for.  Ray 2.54 dropped local mode, so a machine without a cluster gets a real lo
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .config import Config
+from .models import load_model
 
 
 class ClusterError(RuntimeError):
@@ -31,13 +33,13 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit of work: ``work`` (``module:function``, called on a worker as ``function(cfg, lm, payload)`` and
-    returning rows without provenance), its ``payload``, a ``name`` for messages and a ``size`` (tokens to
-    process; the largest are sent first)."""
+    """One unit of work: ``work``, called on a worker as ``work(cfg, lm, payload)`` and returning rows without
+    provenance (a module-level function, which Ray sends by reference), its ``payload``, a ``name`` for messages
+    and a ``size`` (tokens to process; the largest are sent first)."""
 
     name: str
     size: int
-    work: str
+    work: Callable[[Config, Any, Any], list[dict]]
     payload: Any
 
 
@@ -48,7 +50,7 @@ def worker_name() -> str:
 
 def _ray():
     try:
-        import ray
+        import ray  # optional extra: ray
     except ImportError:
         raise ClusterError("the config asks for a cluster, but Ray is not installed: pip install -e '.[ray]'") from None
     return ray
@@ -58,18 +60,13 @@ class _Worker:
     """A Ray actor holding one copy of the config's model (loaded on its first unit)."""
 
     def __init__(self, cfg: Config, threads: int, gpus: int, name: str):
-        import torch
-
         self.cfg, self.gpus, self.name, self.lm = cfg, max(1, gpus), name, None
         torch.set_num_threads(threads)
 
     def run(self, unit: Unit) -> list[dict]:
-        from .models import load_model
-
         if self.lm is None:  # Ray gives the actor its own GPUs only (CUDA_VISIBLE_DEVICES), so they are 0..gpus-1
             self.lm = load_model(self.cfg.model, device=self.cfg.device, gpus=self.gpus)
-        module, function = unit.work.split(":")
-        rows = getattr(importlib.import_module(module), function)(self.cfg, self.lm, unit.payload)
+        rows = unit.work(self.cfg, self.lm, unit.payload)
         return [{**r, "worker": self.name} for r in rows]
 
 

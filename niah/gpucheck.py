@@ -17,9 +17,17 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from accelerate import init_empty_weights
+from transformers import AutoModelForCausalLM
 
 from .config import ConfigError, load_config, validate
-from .models import ModelUnavailable, load_model
+from .dryrun import dry_config
+from .env import environment_record
+from .experiments.sweep import run_sweep
+from .models import ModelUnavailable, load_model, spread_map
+from .notebook import save_json
+from .report.summary import machine_line
+from .rundir import RunDir
 
 CONFIG = "gpu-check"
 
@@ -28,8 +36,6 @@ def check_config(dry_run: bool) -> dict:
     """The gpu-check config, or its dry-run rewrite (:func:`niah.dryrun.dry_config`)."""
     cfg = load_config(CONFIG)
     if dry_run:
-        from .dryrun import dry_config
-
         return validate(dry_config(cfg)[0], f"{CONFIG} (dry run)")
     if not torch.cuda.is_available():
         raise ModelUnavailable(
@@ -42,11 +48,6 @@ def check_config(dry_run: bool) -> dict:
 def device_map_check(lm) -> str:
     """Build accelerate's device map of ``lm``'s architecture over every visible GPU (on the meta device: no
     memory) and say how many decoder layers each GPU would hold."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from .models import spread_map
-
     gpus = torch.cuda.device_count()
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(lm.model.config, dtype=next(lm.model.parameters()).dtype)
@@ -85,12 +86,6 @@ def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 def gpu_check(dry_run: bool = False, run_root: Path | None = None) -> Path:
     """Run the check; return the path of its ``gpu_check.md``."""
-    from .env import environment_record
-    from .experiments.sweep import run_sweep
-    from .notebook import save_json
-    from .report.summary import machine_line
-    from .rundir import RunDir
-
     cfg = check_config(dry_run)
     run = RunDir(cfg, run_root / cfg.name if run_root else None)  # papermill_runs/gpu-check[-dry]/
     run.path.mkdir(parents=True, exist_ok=True)

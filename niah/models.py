@@ -35,6 +35,9 @@ from urllib.parse import urlparse
 import torch
 from safetensors import SafetensorError
 
+from .results import locked
+from .tokenizer import ByteTokenizer
+
 
 class ModelUnavailable(RuntimeError):
     """The model cannot be loaded here; the message says why and what to do."""
@@ -162,8 +165,6 @@ def _build_once(folder: Path, write: Callable[[Path], None], what: str) -> None:
     rename.  Processes that build the same folder at once take turns on ``<folder>.lock``: the second waits (and
     says so), then finds the folder finished.  Each stages in its own ``<folder>.partial-<pid>``; under the lock
     any other staging folder is a dead process's leftover, and is removed."""
-    from .results import locked
-
     if _complete(folder):
         return
     with locked(folder, f"waiting for another process {what} into {folder}"):
@@ -184,7 +185,7 @@ def _build_once(folder: Path, write: Callable[[Path], None], what: str) -> None:
 
 def _convert_gguf(spec: dict, out: Path) -> None:
     """Dequantize the spec's verified GGUF to fp32 with transformers and save the model and tokenizer to ``out``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers, when a model is built
 
     gguf = verified_gguf(spec)
     try:
@@ -229,7 +230,7 @@ def spread_map(model: torch.nn.Module, gpus: int, budget: int | None = None) -> 
     """Which of CUDA devices ``0..gpus-1`` holds each module of ``model`` when one model is spread over them:
     accelerate's balanced map, each decoder layer whole and tied weights together.  ``budget``: bytes allowed per
     GPU (default: each device's free memory); ``model`` may live on the meta device."""
-    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map  # heavy: accelerate, multi-GPU only
 
     room = {i: budget if budget is not None else torch.cuda.mem_get_info(i)[0] for i in range(gpus)}
     whole = model._no_split_modules
@@ -261,7 +262,7 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
 
     ``gpus`` > 1 spreads one model over this process's first ``gpus`` CUDA devices (:func:`spread_map`;
     a Ray worker with ``cluster.gpus_per_worker`` > 1 sees just its own)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: transformers, when a model loads
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
     if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -275,8 +276,6 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
             f"{torch.cuda.device_count()} (device: {device}). Lower cluster.gpus_per_worker, or run where they are"
         )
     if spec.get("source") == "random":
-        from .tokenizer import ByteTokenizer
-
         config = AutoConfig.for_model(spec.get("architecture", "llama"), **spec.get("config", {}))
         native = config.max_position_embeddings
         max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
@@ -288,7 +287,7 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
             model = AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if gpus > 1 else {}))
         tok, name = ByteTokenizer(), f"random-{config.model_type}"
         if gpus > 1:
-            from accelerate import dispatch_model
+            from accelerate import dispatch_model  # heavy: accelerate, multi-GPU only
 
             model = dispatch_model(model, spread_map(model, gpus))
     else:
@@ -299,7 +298,7 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
             max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
             placement = {}
             if gpus > 1:
-                from accelerate import init_empty_weights
+                from accelerate import init_empty_weights  # heavy: accelerate, multi-GPU only
 
                 with init_empty_weights():
                     placement["device_map"] = spread_map(AutoModelForCausalLM.from_config(config, dtype=dtype), gpus)

@@ -7,8 +7,12 @@ import os
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from .config import ROOT, Config, load_config
+from .models import load_model
+from .report.analysis import kv_value_share
+from .report.claims import gather_evidence, ledger
 from .rundir import RunDir, settings_hash
 
 
@@ -19,8 +23,6 @@ def setup(config: str, run_dir: str | None = None, figures_dir: str | None = Non
     figs = Path(figures_dir) if figures_dir else ROOT / "figures" / cfg.name
     run.path.mkdir(parents=True, exist_ok=True)
     figs.mkdir(parents=True, exist_ok=True)
-    import torch
-
     torch.set_num_threads(cfg.threads)
     return cfg, run, figs
 
@@ -28,8 +30,6 @@ def setup(config: str, run_dir: str | None = None, figures_dir: str | None = Non
 def load(cfg: Config, role: str = "needles"):
     """The config's model for ``role``: ``needles`` (``model:``, notebooks 00, 03, 04) or ``weights``
     (``weight_model:`` where the config names one, else ``model:``; notebooks 01 and 02)."""
-    from .models import load_model
-
     return load_model(cfg.weights if role == "weights" else cfg.model, device=cfg.device)
 
 
@@ -70,6 +70,7 @@ def model_card(lm, cfg: Config) -> pd.DataFrame:
 
 def heatmaps(df: pd.DataFrame, cfg: Config, figures_dir: Path) -> list[Path]:
     """One accuracy heatmap per method, with a difference-from-reference panel for the others; saved as PNG and SVG."""
+    # heavy: matplotlib and seaborn, for the figures only
     import matplotlib.pyplot as plt
 
     from .report.plots import needle_heatmap, save
@@ -94,6 +95,7 @@ def heatmaps(df: pd.DataFrame, cfg: Config, figures_dir: Path) -> list[Path]:
 
 def _overview(part: pd.DataFrame, cfg: Config, style: str, figures_dir: Path) -> list[Path]:
     """Every method's accuracy heatmap in one figure, the reference first: ``heatmap_<style>_overview``."""
+    # heavy: matplotlib and seaborn, for the figures only
     import matplotlib.pyplot as plt
 
     from .report.plots import needle_heatmap, save
@@ -118,6 +120,7 @@ def _overview(part: pd.DataFrame, cfg: Config, style: str, figures_dir: Path) ->
 def perplexity_breakdown(cfg: Config, table: pd.DataFrame, figures_dir: Path) -> list[Path]:
     """The loss-breakdown figure of :func:`~niah.report.tables.perplexity_table`'s ``table`` (keys, values,
     full and sliding layers alone), when the config asks for ``kv_perplexity.breakdown``; saved as PNG and SVG."""
+    # heavy: matplotlib and seaborn, for the figures only
     import matplotlib.pyplot as plt
 
     from .report.plots import loss_breakdown, save
@@ -134,7 +137,7 @@ def perplexity_breakdown(cfg: Config, table: pd.DataFrame, figures_dir: Path) ->
 
 def cold_warm(cfg: Config, run: RunDir) -> pd.DataFrame | str:
     """Run (once per sweep settings) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks for."""
-    from .experiments.sweep import cold_vs_warm
+    from .experiments.sweep import cold_vs_warm  # heavy: transformers, for notebook 04 only
 
     spec = cfg.sweep.cold_warm
     if not spec:
@@ -153,9 +156,6 @@ def cold_warm(cfg: Config, run: RunDir) -> pd.DataFrame | str:
 
 def claims_ledger(cfg: Config, run: RunDir) -> pd.DataFrame:
     """Gather this run's evidence, compute every verdict, and save the ledger as CSV and Markdown."""
-    from .report.analysis import kv_value_share
-    from .report.claims import gather_evidence, ledger
-
     lm = load(cfg)
     table = ledger(gather_evidence(run, kv_value_share(lm, cfg)))
     table.to_csv(run.ledger.with_suffix(".csv"), index=False)

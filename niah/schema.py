@@ -150,6 +150,8 @@ class Battery(Section):
     # multi_key: one context serves every length (False: separate contexts per length, fewer distractors)
     nested: bool = setting(True)
     methods: list[str] = setting(None, rows=QUESTIONS)  # None: niah.methods; resolved: the reference first
+    # {method: [lengths]}: methods asked only at those lengths (an ablation at the longest); the others at every length
+    method_lengths: dict = setting({}, rows=QUESTIONS, dry=lambda m: {k: shorter_all(v) for k, v in m.items()})
     sliding_layers: str = setting("quantize")  # or "fp16": sliding-window layers kept at fp16 (PackedCache)
 
     def resolved(self, niah: Niah) -> Battery:
@@ -162,8 +164,15 @@ class Battery(Section):
                 f"battery: {self.needles} needles x {len(self.lengths)} lengths need more distinct keys than the "
                 f"{len(KEY_WORDS)} there are"
             )
-        methods = self.methods or niah.methods
-        return replace(self, lengths=sorted(self.lengths), methods=_reference_first(niah.reference, methods))
+        methods = _reference_first(niah.reference, self.methods or niah.methods)
+        for m, lengths in self.method_lengths.items():
+            # the reference answers every question: each method's rows are paired with it
+            if m not in methods[1:] or not isinstance(lengths, list) or not set(lengths) <= set(self.lengths):
+                raise ConfigError(
+                    f"battery.method_lengths: {m}: {lengths!r} must name one of the battery's methods other than the "
+                    f"reference ({methods[1:]}) and a list of its lengths ({sorted(self.lengths)})"
+                )
+        return replace(self, lengths=sorted(self.lengths), methods=methods)
 
 
 @dataclass(frozen=True)
@@ -362,7 +371,7 @@ def filled(name: str, given: dict | None) -> dict:
     check_types(name, cls, given)
     out = copy.deepcopy(defaults)
     for k, v in given.items():
-        if isinstance(defaults[k], dict):
+        if isinstance(defaults[k], dict) and defaults[k]:  # an empty default mapping takes any keys (method_lengths)
             bad = sorted(set(v) - set(defaults[k]))
             if bad:
                 raise ConfigError(f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}")

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 import niah.kv.attend as attend
 from niah.experiments.protocol import context_states, prefill
-from niah.kv.cache import PackedCache, PackedLayer, fused_decoding
+from niah.kv.cache import FusedDecodeLayer, PackedCache, PackedLayer, fused_decoding
 from niah.kv.registry import get_method
+from niah.kv.spec import CacheSpec
 
 FUSED = [
     "q8_0",
@@ -32,7 +33,7 @@ def _layer(method: str, tokens: int = 200, kv_heads: int = 2, head_dim: int = 64
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(2, 1, kv_heads, tokens + 1, head_dim, generator=g)
     k[..., :3] *= 6.0  # a few large channels, as real keys have
-    fused = PackedLayer(get_method(method), 3, keep_dequantized=False, fused_decode=True)
+    fused = FusedDecodeLayer(get_method(method), 3, keep_dequantized=False)
     plain = PackedLayer(get_method(method), 3, keep_dequantized=False)
     for layer in (fused, plain):
         layer.update(k[..., :tokens, :], v[..., :tokens, :])
@@ -87,7 +88,7 @@ def test_decoding_a_real_model_through_the_fused_path_gives_the_same_tokens(tiny
     kv = context_states(prefill(tiny.model, ids, chunk=128))
     runs = {}
     for fused in (False, True):
-        cache = PackedCache.from_states(kv, get_method("q8_0"), keep_dequantized=False, fused_decode=fused)
+        cache = PackedCache.from_states(kv, CacheSpec(get_method("q8_0"), keep_dequantized=False, fused_decode=fused))
         with fused_decoding(tiny.model):
             logits = [tiny.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in (5, 6, 7)]
         runs[fused] = torch.stack(logits)

@@ -6,10 +6,12 @@ import pandas as pd
 import pytest
 
 from niah.data.haystack import haystack_text, tokenize_haystack
-from niah.experiments.battery import build_context, centred_depths, run_battery, spread_depths
+from niah.data.placement import DEPTH_RULES, build_context, centred_depths, single_prompts, spread_depths
+from niah.experiments.battery import run_battery
 from niah.kv.layout import UnsupportedLayout
 from niah.report.stats import paired_table
 from niah.results import read_rows
+from niah.schema import ConfigError
 
 
 def _frame(path):
@@ -91,17 +93,18 @@ def test_single_needle_prompts_hold_one_needle_and_match_a_fresh_prefill(tmp_pat
     assert sorted(df["depth"].unique()) == pytest.approx([0, 0.5, 1])
     assert (df[df["method"] == "q4_0"]["kl_vs_ref"] > 0).all()
     # a prompt holds only its own needle, and the shared-prefix reuse reads what a fresh prefill of that prompt reads
-    from niah.experiments.battery import _single_prompts
     from niah.experiments.protocol import ask, context_states, prefill
     from niah.kv.cache import PackedCache
     from niah.kv.registry import get_method
+    from niah.kv.spec import CacheSpec
 
     hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 1024 * 2)
     s = cfg.battery
-    prompts = _single_prompts(tiny, hay, s, random.Random(f"{cfg.seed}/battery"), "number", "completion")
+    depths, rng = DEPTH_RULES[s.depths](s.needles), random.Random(f"{cfg.seed}/battery")
+    prompts = single_prompts(tiny.tokenizer, hay, s.contexts, s.lengths, depths, rng, "number", "completion")
     ids, q = prompts[1][-1]
     assert tiny.tokenizer.decode(ids).count("special magic number") == 2  # the intro's and the needle's
-    fresh = PackedCache.from_states(context_states(prefill(tiny.model, ids, chunk=100)), get_method("fp16"))
+    fresh = PackedCache.from_states(context_states(prefill(tiny.model, ids, chunk=100)), CacheSpec(get_method("fp16")))
     ans = ask(tiny.model, tiny.tokenizer, fresh, list(q.question_ids), list(q.answer_ids), 4)
     got = df[(df["method"] == "fp16") & (df["trial"] == q.trial) & (df["length"] == q.length)]["answer_logprob"]
     assert got.item() == pytest.approx(ans.answer_logprob, abs=1e-3)
@@ -127,3 +130,20 @@ def test_bad_battery_settings_and_windows_longer_than_the_context_say_so(tmp_pat
     if hybrid.model.config.model_type == "gemma3_text":
         with pytest.raises(UnsupportedLayout, match="sliding window"):
             run_battery(_battery_cfg(smoke_with, lengths=[8, 512]), hybrid, tmp_path / "x.jsonl", progress=False)
+
+
+def test_a_method_asked_at_some_lengths_only_gets_rows_there_and_keeps_the_hashes(smoke_with, smoke_cfg, tiny, tmp_path):
+    """``battery.method_lengths`` (one declaration in niah.schema): the method's rows exist at its lengths only, the
+    reference and the other methods answer everywhere, the table's settings hash is unchanged (the setting only
+    chooses rows), a dry run shrinks its lengths, and a length outside the battery is refused at load."""
+    from niah.dryrun import dry_config
+    from niah.rundir import settings_hash
+
+    cfg = smoke_with("battery", methods=["fp16", "q8_0", "q4_0"], method_lengths={"q4_0": [1024]}, needles=1)
+    rows = read_rows(run_battery(cfg, tiny, tmp_path / "b.jsonl", progress=False))
+    asked = {(r["method"], r["length"]) for r in rows}
+    assert asked == {("fp16", 512), ("fp16", 1024), ("q8_0", 512), ("q8_0", 1024), ("q4_0", 1024)}
+    assert settings_hash(cfg, "needles") == settings_hash(smoke_with("battery", methods=["fp16", "q8_0", "q4_0"], needles=1), "needles")
+    assert dry_config(cfg)[0]["battery"]["method_lengths"] == {"q4_0": [1024 // 16]}
+    with pytest.raises(ConfigError, match="method_lengths"):
+        smoke_with("battery", method_lengths={"q4_0": [2048]})

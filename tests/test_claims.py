@@ -86,6 +86,17 @@ def test_a_claim_without_evaluator_or_an_evaluator_without_claim_is_an_error(tmp
         load_claims(tmp_path / "fewer.yaml")
 
 
+def test_each_article_binds_its_claims_in_an_explicit_table(monkeypatch):
+    tables = {0: claims.seed000.EVALUATORS, 1: claims.seed001.EVALUATORS, 3: claims.seed003.EVALUATORS}
+    had = [f"S0-{i}" for i in range(1, 16)] + [f"S1-{i}" for i in range(1, 7)] + [f"S3-{i}" for i in range(1, 13)]
+    assert {seed: sorted(t, key=claims._id_key) for seed, t in tables.items()} == {
+        seed: [c for c in had if c.startswith(f"S{seed}-")] for seed in tables
+    }
+    assert {c.id: c.evaluate for c in load_claims()} == {cid: f for t in tables.values() for cid, f in t.items()}
+    monkeypatch.setattr(claims.seed000, "s0_99", lambda ev: ("x", "supported"), raising=False)  # a name binds nothing
+    assert [c.id for c in load_claims()] == [c.id for c in claims.CLAIMS]
+
+
 def test_without_measurements_nothing_is_decided_but_arithmetic():
     table = ledger(Evidence("x")).set_index("id")
     decided = set(table[~table["verdict"].str.startswith("untestable")].index)

@@ -126,10 +126,11 @@ def test_killed_driver_resumes_with_no_row_lost_or_doubled(local_cluster, smoke,
 
 def test_many_small_units_each_come_back_once(local_cluster, smoke):
     from niah.cluster import Pool, Unit
+    from niah.experiments.clusterbench import noop
 
     cfg, _ = smoke
     with Pool(cfg.updated("cluster", **CLUSTER)) as pool:
-        units = [Unit(f"empty {i}", i, "niah.experiments.clusterbench:noop", i) for i in range(120)]
+        units = [Unit(f"empty {i}", i, noop, i) for i in range(120)]
         done = [row for rows in pool.run(units) for row in rows]
     assert sorted(r["payload"] for r in done) == list(range(120))
     assert {r["worker"].split("/")[-1] for r in done} == {"ray-worker-0", "ray-worker-1"}

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from niah.experiments.base import Experiment, provenance, too_long_reason
+from niah.experiments.base import Collect, Experiment, RowSink, provenance, too_long_reason
 from niah.results import read_rows
 
 
@@ -42,3 +42,10 @@ def test_too_long_names_max_new_tokens_when_only_the_answer_room_does_not_fit(sm
     reason = too_long_reason(smoke_cfg, native, 1020, 3)
     assert "niah.max_new_tokens = 8" in reason and "lower niah.max_new_tokens to 4 or less" in reason
     assert "rope_scaling" not in reason
+
+
+def test_the_table_and_a_workers_collection_are_both_row_sinks(tmp_path, smoke_cfg):
+    exp, collect = Experiment(smoke_cfg, "sweep", "tiny", tmp_path / "s.jsonl", progress=False), Collect(smoke_cfg)
+    assert isinstance(exp, RowSink) and isinstance(collect, RowSink)
+    collect.fail([collect.row(method="q8_0", length=256)], "oom", "x")
+    assert collect.rows == [{"method": "q8_0", "length": 256, "status": "oom", "reason": "x"}]  # no provenance

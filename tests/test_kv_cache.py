@@ -1,4 +1,5 @@
-"""Every registered KV method, stored in the packed cache and read by the question pass of a tiny model."""
+"""Every registered KV method, stored in the packed cache and read by the question pass of a tiny model; the layer
+classes a cache spec picks."""
 
 import random
 
@@ -8,11 +9,21 @@ import torch
 from niah.data.haystack import haystack_text, tokenize_haystack
 from niah.data.needles import NeedleSpec, make_trial
 from niah.data.prompts import build_cell
-from niah.experiments.protocol import ask, compare_logits, context_states, prefill
+from niah.experiments.protocol import ask, compare_logits, context_states, prefill, read_prompt
 from niah.kv import cache as cache_module
 from niah.kv.base import concat_tokens
-from niah.kv.cache import PackedCache, PackedLayer
+from niah.kv.cache import (
+    EngineLayer,
+    FusedDecodeLayer,
+    FusedEngineLayer,
+    LayerState,
+    PackedCache,
+    PackedLayer,
+    fused_decoding,
+)
+from niah.kv.layout import FULL, SLIDING
 from niah.kv.registry import LayerPolicy, available, get_method
+from niah.kv.spec import CacheSpec
 
 # each codec on every layer of the 2-layer model (a layer policy such as vLLM's would keep both at fp16), and centred keys
 METHODS = [m if get_method(m).layers == LayerPolicy() else f"{m}+all_layers" for m in available() if m != "fp16"]
@@ -24,13 +35,14 @@ def setup(tiny):
     hay = tokenize_haystack(haystack_text("pydoc"), tiny.tokenizer, 1400)
     cell = build_cell(tiny.tokenizer, hay, 1024, 0.5, make_trial(NeedleSpec(), random.Random(5)), "completion")
     kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=256))
-    ref = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, get_method("fp16")), cell.question_ids, cell.answer_ids, 4)
-    return tiny, cell, kv, ref
+    fp16 = PackedCache.from_states(kv, CacheSpec(get_method("fp16")))
+    return tiny, cell, kv, ask(tiny.model, tiny.tokenizer, fp16, cell.question_ids, cell.answer_ids, 4)
 
 
 def _ask(setup, method):
     tiny, cell, kv, _ = setup
-    return ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, get_method(method)), cell.question_ids, cell.answer_ids, 4)
+    cache = PackedCache.from_states(kv, CacheSpec(get_method(method)))
+    return ask(tiny.model, tiny.tokenizer, cache, cell.question_ids, cell.answer_ids, 4)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -43,7 +55,7 @@ def test_a_quantized_method_is_not_the_fp16_cache(setup, method):
 def test_stored_bytes_match_the_format(setup, method):
     tiny, cell, kv, _ = setup
     m = get_method(method)
-    cache = PackedCache.from_states(kv, m)
+    cache = PackedCache.from_states(kv, CacheSpec(m))
     layer = cache.layers[0]
     packed_tokens = layer.get_seq_length() - layer.res_k.shape[-2]
     values = 2 * kv[0].keys.shape[1] * kv[0].keys.shape[3] * packed_tokens
@@ -123,3 +135,45 @@ def test_long_decodes_keep_few_chunks(monkeypatch):
         layer.update(x[..., t : t + 1, :], x[..., t : t + 1, :])
     sizes = [k.shape[-2] for k, _ in layer.chunks]
     assert sizes[0] == 200 and sum(sizes) == 300 and len(sizes) <= 1 + 7, sizes
+
+
+@pytest.mark.parametrize(
+    ("name", "fused", "full", "sliding"),
+    [
+        ("q8_0", False, PackedLayer, PackedLayer),
+        ("q8_0", True, FusedDecodeLayer, PackedLayer),
+        ("q8_0@engine", False, EngineLayer, EngineLayer),
+        ("q8_0@engine", True, FusedEngineLayer, EngineLayer),
+    ],
+)
+def test_the_spec_picks_each_layer_class_once(name, fused, full, sliding):
+    """Read mode and decode path choose the class; a sliding-window layer is never fused (its reads are cut)."""
+    x = torch.randn(1, 1, 8, 32)
+    states = [LayerState(FULL, 8, x, x), LayerState(SLIDING, 8, x, x, window=16)]
+    cache = PackedCache.from_states(states, CacheSpec.resolve(name, 64, fused_decode=fused))
+    assert [type(layer) for layer in cache.layers] == [full, sliding]
+    assert [type(layer) for layer in cache.clone().layers] == [full, sliding]
+    step = x[..., :1, :]
+    assert (cache.layers[0].update(step, step)[0] is cache.layers[0]) == fused  # a decode step: the codes, or tensors
+
+
+def test_a_spec_resolves_the_prompt_chunk_for_engine_methods_only():
+    assert CacheSpec.resolve("q8_0", 64).engine_chunk is None
+    assert CacheSpec.resolve("q8_0@engine", 64).engine_chunk == 64
+    with pytest.raises(ValueError, match="niah.engine_chunk"):
+        CacheSpec.resolve("q8_0@engine")
+    with pytest.raises(ValueError, match="takes no prompt chunk"):
+        CacheSpec(get_method("q8_0"), engine_chunk=64)
+
+
+def test_engine_reads_with_fused_decode_read_a_one_token_context_raw(tiny):
+    """The sweep's first step: a one-token context, stored by a one-token pass, is still the prompt's first chunk,
+    so the question reads it raw (as the model's own cache), the fused decode path or not."""
+    ids = list(range(40, 60))
+    want = tiny.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    states = context_states(prefill(tiny.model, ids[:1]))
+    for fused in (False, True):
+        spec = CacheSpec.resolve("turbo2@engine", 4096, keep_dequantized=False, fused_decode=fused)
+        with fused_decoding(tiny.model):
+            got = read_prompt(tiny.model, PackedCache.from_states(states, spec), ids[1:]).logits[0, -1]
+        assert torch.allclose(got, want, atol=1e-4), fused

@@ -18,9 +18,9 @@ def test_rows_per_method_and_window_and_the_reference_scores_itself(smoke_with, 
     cfg = smoke_with("kv_perplexity")
     rows = read_rows(run_kv_perplexity(cfg, tiny, tmp_path / "p.jsonl", progress=False))
     s = cfg.kv_perplexity
-    assert len(rows) == s["windows"] * len(s["methods"])
+    assert len(rows) == s.windows * len(s.methods)
     for r in rows:
-        assert r["scored_tokens"] == s["continuation"] - 1 and r["nll_sum"] > 0
+        assert r["scored_tokens"] == s.continuation - 1 and r["nll_sum"] > 0
         assert (r["kl_vs_ref"] == 0 and r["top1_vs_ref"] == 1) if r["method"] == "fp16" else r["kl_vs_ref"] > 0
     table = perplexity_table(pd.DataFrame(rows)).set_index("method")
     assert table.loc["fp16", "ppl_vs_ref"] == 1 and table.loc["fp16", "ci_low"] == table.loc["fp16", "ci_high"] == 1
@@ -87,8 +87,8 @@ def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
     methods = ["fp16", "q4_0", "turboquant_k3v4_nc+all_layers"]
     cfg = smoke_with("kv_perplexity", methods=methods, windows=2, breakdown=["keys", "values", "full", "sliding"])
     s = cfg.kv_perplexity
-    assert s["parts"]["q4_0+sliding"] == ("q4_0", "sliding") and "turboquant_k3v4_nc+all_layers+full" not in s["parts"]
-    assert s["parts"]["turboquant_k3v4_nc+all_layers+keys"] == ("turboquant_k3v4_nc+all_layers", "keys")
+    assert s.parts["q4_0+sliding"] == ("q4_0", "sliding") and "turboquant_k3v4_nc+all_layers+full" not in s.parts
+    assert s.parts["turboquant_k3v4_nc+all_layers+keys"] == ("turboquant_k3v4_nc+all_layers", "keys")
     rows = {r["method"]: r for r in read_rows(run_kv_perplexity(cfg, lm, tmp_path / "p.jsonl", progress=False)) if r["window"] == 0}
     assert len(rows) == 3 + 2 * 4 - 2
     fp16, q4 = rows["fp16"], rows["q4_0"]
@@ -99,7 +99,7 @@ def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
         r = rows[f"q4_0+{part}"]
         assert q4["bits_per_value"] < r["bits_per_value"] < 16 and r["kl_vs_ref"] > 0
     table = perplexity_table(pd.DataFrame(read_rows(tmp_path / "p.jsonl")))
-    fig = loss_breakdown(table, s["parts"])
+    fig = loss_breakdown(table, s.parts)
     assert len(fig.axes[0].patches) == 2 * 5  # 2 methods x (all + 4 parts), a missing part drawn as an empty bar
 
 
@@ -113,7 +113,7 @@ def test_breakdown_parts_are_checked(smoke_with):
 def test_breakdown_methods_choose_which_listed_methods_get_rows(smoke_with):
     cfg = smoke_with("kv_perplexity", methods=["fp16", "q4_0", "q8_0"], breakdown=["keys", "values"], breakdown_methods=["q4_0"])
     s = cfg.kv_perplexity
-    assert s["parts"] == {"q4_0+keys": ("q4_0", "keys"), "q4_0+values": ("q4_0", "values")}
-    assert s["methods"] == ["fp16", "q4_0", "q8_0", "q4_0+keys", "q4_0+values"]
+    assert s.parts == {"q4_0+keys": ("q4_0", "keys"), "q4_0+values": ("q4_0", "values")}
+    assert s.methods == ["fp16", "q4_0", "q8_0", "q4_0+keys", "q4_0+values"]
     preset = smoke_with("kv_perplexity", methods=["fp16", "turboquant_k3v4_nc"], breakdown=["keys", "full", "sliding"])
     assert list(preset.kv_perplexity.parts) == ["turboquant_k3v4_nc+keys"]  # it codes full-attention layers only

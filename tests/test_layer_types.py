@@ -9,6 +9,7 @@ from niah.kv.cache import PackedCache, PackedLayer
 from niah.kv.layout import FULL, LINEAR, SLIDING, CacheLayout, UnsupportedLayout
 from niah.kv.methods.fp16 import CastStorage
 from niah.kv.registry import KVMethod, get_method
+from niah.kv.spec import CacheSpec
 
 CONTEXT = list(range(1, 120))  # longer than the sliding window (16)
 QUESTION, ANSWER = [40, 41, 42, 43, 44], [50, 51, 52]
@@ -28,7 +29,7 @@ def _ask(lm, cache):
 
 def test_the_packed_cache_at_fp32_reads_what_the_models_own_cache_holds(hybrid):
     states = context_states(prefill(hybrid.model, CONTEXT, chunk=32))
-    ans = _ask(hybrid, PackedCache.from_states(states, FP32))
+    ans = _ask(hybrid, PackedCache.from_states(states, CacheSpec(FP32)))
     want = _plain_logsoftmax(hybrid.model, CONTEXT + QUESTION + ANSWER[:-1], len(ANSWER))
     assert ans.answer_logsoftmax == pytest.approx(want, abs=1e-4)
 
@@ -36,7 +37,7 @@ def test_the_packed_cache_at_fp32_reads_what_the_models_own_cache_holds(hybrid):
 def test_decode_steps_past_the_window_match_a_plain_forward(hybrid):
     """Greedy steps over a sliding layer drop chunks older than the window; logits stay those of a plain forward."""
     states = context_states(prefill(hybrid.model, CONTEXT, chunk=32))
-    cache = PackedCache.from_states(states, FP32)
+    cache = PackedCache.from_states(states, CacheSpec(FP32))
     ids = list(CONTEXT)
     with torch.no_grad():
         for token in [7] * 20:  # 20 one-token steps: more than the window of 16
@@ -53,8 +54,8 @@ def test_a_quantized_method_changes_the_logits_through_every_layer_type_it_store
     states = context_states(prefill(hybrid.model, CONTEXT, chunk=32))
     # a plain int: transformers >= 5.25 counts a linear layer's tokens in a tensor that later steps add to in place
     assert all(type(st.seen) is int and st.seen == len(CONTEXT) for st in states)
-    ref = PackedCache.from_states(states, get_method("fp16"))
-    lossy = PackedCache.from_states(states, get_method("q4_0"))
+    ref = PackedCache.from_states(states, CacheSpec(get_method("fp16")))
+    lossy = PackedCache.from_states(states, CacheSpec(get_method("q4_0")))
     kinds = {layer.layer_type for layer in lossy.layers if isinstance(layer, PackedLayer)}
     assert FULL in kinds and len(kinds) == (2 if hybrid.model.config.model_type == "gemma3_text" else 1)
     base = _ask(hybrid, ref.clone()).answer_logsoftmax
@@ -69,7 +70,7 @@ def test_stored_bytes_per_layer_type_are_the_layouts(hybrid, method):
     layout = CacheLayout.from_config(hybrid.model.config)
     states = context_states(prefill(hybrid.model, CONTEXT, chunk=32))
     m = get_method(method)
-    stored = PackedCache.from_states(states, m).nbytes()
+    stored = PackedCache.from_states(states, CacheSpec(m)).nbytes()
     want = layout.kv_bytes(len(CONTEXT), m.analytical_bits(layout.head_dim))
     for kind in (FULL, SLIDING):
         assert stored[kind] == pytest.approx(want.get(kind, 0), rel=0.02)
@@ -81,12 +82,12 @@ def test_fp16_sliding_layers_keep_full_precision_there_only(hybrid):
     if hybrid.model.config.model_type != "gemma3_text":
         pytest.skip("no sliding layers")
     states = context_states(prefill(hybrid.model, CONTEXT, chunk=32))
-    both, full_only = (PackedCache.from_states(states, get_method("q4_0"), sliding=s) for s in ("quantize", "fp16"))
-    fp16 = PackedCache.from_states(states, get_method("fp16")).nbytes()
+    both, full_only = (PackedCache.from_states(states, CacheSpec(get_method("q4_0"), sliding=s)) for s in ("quantize", "fp16"))
+    fp16 = PackedCache.from_states(states, CacheSpec(get_method("fp16"))).nbytes()
     assert full_only.nbytes()[SLIDING] == fp16[SLIDING] > both.nbytes()[SLIDING]
     assert full_only.nbytes()[FULL] == both.nbytes()[FULL] < fp16[FULL]
     with pytest.raises(ValueError, match="sliding-layer storage"):
-        PackedCache.from_states(states, get_method("q4_0"), sliding="bf16")
+        PackedCache.from_states(states, CacheSpec(get_method("q4_0"), sliding="bf16"))
 
 
 def test_the_layout_of_the_seeds_qwen3_5_moe():

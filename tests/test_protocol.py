@@ -10,6 +10,7 @@ from niah.data.prompts import build_cell
 from niah.experiments.protocol import ask, compare_logits, context_states, prefill
 from niah.kv.cache import PackedCache
 from niah.kv.registry import get_method
+from niah.kv.spec import CacheSpec
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def cell(tiny):
 
 
 def _ask(tiny, kv, cell, method="fp16", keep=True):
-    cache = PackedCache.from_states(kv, get_method(method), keep_dequantized=keep)
+    cache = PackedCache.from_states(kv, CacheSpec(get_method(method), keep_dequantized=keep))
     return ask(tiny.model, tiny.tokenizer, cache, cell.question_ids, cell.answer_ids, 6)
 
 
@@ -43,7 +44,7 @@ def test_protocol_matches_one_full_forward(tiny, cell):
 
     fp32 = KVMethod("fp32", CastStorage("fp32", torch.float32), CastStorage("fp32", torch.float32))
     kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=96))
-    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, fp32), cell.question_ids, cell.answer_ids, 4)
+    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, CacheSpec(fp32)), cell.question_ids, cell.answer_ids, 4)
     ids = torch.tensor([cell.prefill_ids + cell.question_ids + cell.answer_ids])
     with torch.no_grad():
         full = torch.log_softmax(tiny.model(ids).logits[0].float(), -1)
@@ -64,7 +65,7 @@ def test_a_lossy_method_changes_the_logits_and_stores_fewer_bytes(tiny, cell):
     kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=128))
     ref, lossy = _ask(tiny, kv, cell, "fp16"), _ask(tiny, kv, cell, "bf16")
     assert not torch.equal(ref.answer_logsoftmax, lossy.answer_logsoftmax)
-    stored = PackedCache.from_states(kv, get_method("fp16")).nbytes()
+    stored = PackedCache.from_states(kv, CacheSpec(get_method("fp16"))).nbytes()
     layers, heads, dim = len(kv), kv[0].keys.shape[1], kv[0].keys.shape[3]
     total = 2 * 2 * layers * heads * dim * len(cell.prefill_ids)
     assert stored == {"packed": total, "residual": 0, "total": total, "full_attention": total, "sliding_attention": 0, "linear_state": 0}
@@ -72,7 +73,7 @@ def test_a_lossy_method_changes_the_logits_and_stores_fewer_bytes(tiny, cell):
 
 def test_question_tokens_are_stored_quantized_too(tiny, cell):
     kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=128))
-    cache = PackedCache.from_states(kv, get_method("fp16"))
+    cache = PackedCache.from_states(kv, CacheSpec(get_method("fp16")))
     ask(tiny.model, tiny.tokenizer, cache, cell.question_ids, cell.answer_ids, 3)
     layer = cache.layers[0]
     assert layer.res_k.shape[-2] == 0  # residual 0: every token went into packed storage
@@ -82,7 +83,7 @@ def test_question_tokens_are_stored_quantized_too(tiny, cell):
 def test_shortcut_generation_equals_step_by_step_greedy(tiny, cell):
     """The greedy text built from the teacher-forced pass is what step-by-step greedy decoding produces."""
     kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=128))
-    cache = PackedCache.from_states(kv, get_method("fp16"))
+    cache = PackedCache.from_states(kv, CacheSpec(get_method("fp16")))
     device_ids = torch.tensor([cell.question_ids])
     with torch.no_grad():
         out = tiny.model(input_ids=device_ids, cache=cache, use_cache=True)
@@ -92,8 +93,9 @@ def test_shortcut_generation_equals_step_by_step_greedy(tiny, cell):
             tokens.append(int(out.logits[0, -1].argmax()))
     greedy = tiny.tokenizer.decode(tokens)
     # pretend the model's own greedy continuation is the expected answer: the shortcut must return it whole
-    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, get_method("fp16")), cell.question_ids, tokens[:4], 6)
+    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, CacheSpec(get_method("fp16"))), cell.question_ids, tokens[:4], 6)
     assert ans.text == tiny.tokenizer.decode(tokens[:4])
     # and with the true (unlikely) answer, generation diverges and is decoded step by step
-    other = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, get_method("fp16")), cell.question_ids, cell.answer_ids, 6)
+    fp16 = PackedCache.from_states(kv, CacheSpec(get_method("fp16")))
+    other = ask(tiny.model, tiny.tokenizer, fp16, cell.question_ids, cell.answer_ids, 6)
     assert greedy.startswith(other.text)

@@ -59,9 +59,10 @@ def test_decode_timing_keeps_no_autograd_graph(tiny):
     from niah.experiments.sweep import _greedy
     from niah.kv.cache import PackedCache
     from niah.kv.registry import get_method
+    from niah.kv.spec import CacheSpec
 
     kv = context_states(prefill(tiny.model, list(range(64))))
-    cache = PackedCache.from_states(kv, get_method("kivi2"), keep_dequantized=False)
+    cache = PackedCache.from_states(kv, CacheSpec(get_method("kivi2"), keep_dequantized=False))
     _greedy(tiny.model, cache, 1, 4)
     layer = cache.layers[0]
     assert not layer.res_k.requires_grad

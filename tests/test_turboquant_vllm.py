@@ -10,6 +10,7 @@ from niah.kv.cache import CONTINUATION_DECODE_THRESHOLD, LayerState, PackedCache
 from niah.kv.layout import FULL, LINEAR, SLIDING
 from niah.kv.methods.turboquant_vllm import PRESETS, gaussian_codebook, key_packed_size, sylvester_hadamard, value_packed_size
 from niah.kv.registry import LayerPolicy, get_method
+from niah.kv.spec import CacheSpec
 
 # vLLM 0.34.0's centroids.get_centroids(128, 3) and (128, 4), printed by running its solver
 VLLM_C128_B3 = [0.02165370, 0.06679026, 0.11872146, 0.19006585]
@@ -121,7 +122,7 @@ def _states(kinds, tokens=8, d=32):
 
 def test_layers_outside_the_policy_are_stored_at_fp16():
     states = _states([FULL] * 6)
-    cache = PackedCache.from_states(states, get_method("turboquant_k3v4_nc"))
+    cache = PackedCache.from_states(states, CacheSpec(get_method("turboquant_k3v4_nc")))
     assert [layer.method.name for layer in cache.layers] == ["fp16", "fp16", "turboquant_k3v4_nc", "turboquant_k3v4_nc", "fp16", "fp16"]
     assert cache.nbytes()["total"] == 4 * 8 * 32 * 2 * 2 + 2 * 8 * (key_packed_size(32, 3) + value_packed_size(32, 4))
 
@@ -139,18 +140,18 @@ def test_modifiers():
 
 
 def test_pieces_split_at_multiples_of_the_chunk():
-    cache = PackedCache.from_states(_states([FULL], tokens=10), get_method("q8_0@engine"), engine_chunk=16)
+    cache = PackedCache.from_states(_states([FULL], tokens=10), CacheSpec(get_method("q8_0@engine"), engine_chunk=16))
     assert [len(p) for p in cache.pieces(list(range(30)))] == [6, 16, 8]
-    assert [len(p) for p in PackedCache.from_states(_states([FULL]), get_method("q8_0")).pieces(list(range(30)))] == [30]
+    assert [len(p) for p in PackedCache.from_states(_states([FULL]), CacheSpec(get_method("q8_0"))).pieces(list(range(30)))] == [30]
     with pytest.raises(ValueError, match="engine_chunk"):
-        PackedCache.from_states(_states([FULL]), get_method("q8_0@engine"))
+        PackedCache.from_states(_states([FULL]), CacheSpec(get_method("q8_0@engine")))
 
 
 def test_long_contexts_in_engine_mode_are_refused():
-    methods = {m: get_method(m) for m in ("fp16", "q4_0@engine")}
-    check_engine_reads(methods, 16384, 16384)
+    specs = {m: CacheSpec.resolve(m, 16384) for m in ("fp16", "q4_0@engine")}
+    check_engine_reads(specs, 16384)
     with pytest.raises(ValueError, match="raise niah.engine_chunk to at least 16385"):
-        check_engine_reads(methods, 16385, 16384)
+        check_engine_reads(specs, 16385)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +161,7 @@ def context(tiny):
 
 
 def _logits(tiny, states, name, ids, fresh=True, chunk=4096):
-    cache = PackedCache.from_states(states, get_method(name), engine_chunk=chunk, fresh_prompt=fresh)
+    cache = PackedCache.from_states(states, CacheSpec.resolve(name, chunk, fresh_prompt=fresh))
     return read_prompt(tiny.model, cache, ids).logits[0]
 
 
@@ -179,13 +180,13 @@ def test_engine_answers_are_decode_steps_that_read_the_stored_cache(context):
     tiny, _, question, states = context
     answer = list(range(60, 66))
     ask_ = {
-        m: ask(tiny.model, tiny.tokenizer, PackedCache.from_states(states, get_method(m), engine_chunk=4096), question, answer, 8)
+        m: ask(tiny.model, tiny.tokenizer, PackedCache.from_states(states, CacheSpec.resolve(m, 4096)), question, answer, 8)
         for m in ("fp16", "turbo2@engine", "turbo2")
     }
     fp16, engine, strict = (ask_[m].answer_logsoftmax for m in ("fp16", "turbo2@engine", "turbo2"))
     assert torch.allclose(engine[0], fp16[0], atol=1e-4) and not torch.allclose(strict[0], fp16[0], atol=1e-2)
     assert not torch.allclose(engine[1:], fp16[1:], atol=1e-2)
-    cached = PackedCache.from_states(states, get_method("turbo2@engine"), engine_chunk=4096)
+    cached = PackedCache.from_states(states, CacheSpec.resolve("turbo2@engine", 4096))
     read_prompt(tiny.model, cached, question)
     steps = [tiny.model(input_ids=torch.tensor([[t]]), cache=cached, use_cache=True).logits[0, -1] for t in answer[:-1]]
     assert torch.allclose(torch.log_softmax(torch.stack(steps), -1), engine[1:], atol=1e-4)  # one by one, as decoded
@@ -206,9 +207,9 @@ def test_engine_long_continuations_read_their_own_tokens_raw(context):
     engine = _logits(tiny, states, "turbo2@engine", long, fresh=False)
     strict = _logits(tiny, states, "turbo2", long)
     # the same pass over the context dequantized once and stored losslessly, own tokens raw
-    deq = PackedCache.from_states(states, get_method("turbo2"))
+    deq = PackedCache.from_states(states, CacheSpec(get_method("turbo2")))
     deq_states = [LayerState(s.kind, s.seen, *layer._read(), s.window) for s, layer in zip(states, deq.layers)]
-    lossless = PackedCache.from_states(deq_states, get_method("fp16@engine"), engine_chunk=4096, fresh_prompt=False)
+    lossless = PackedCache.from_states(deq_states, CacheSpec.resolve("fp16@engine", 4096, fresh_prompt=False))
     ref = read_prompt(tiny.model, lossless, long).logits[0]
     assert (engine - ref).abs().max() < 0.2 * (strict - ref).abs().max()
 
@@ -216,7 +217,7 @@ def test_engine_long_continuations_read_their_own_tokens_raw(context):
 def test_hybrid_models_keep_no_boundary_layers():
     kinds = [LINEAR, FULL, FULL, LINEAR]
     states = [s if s.kind != LINEAR else LayerState(LINEAR, 8, linear=_Linear()) for s in _states(kinds)]
-    cache = PackedCache.from_states(states, get_method("turboquant_k3v4_nc"))
+    cache = PackedCache.from_states(states, CacheSpec(get_method("turboquant_k3v4_nc")))
     assert [layer.method.name for layer in cache.layers if isinstance(layer, PackedLayer)] == ["turboquant_k3v4_nc"] * 2
 
 

@@ -78,9 +78,9 @@ def test_a_cell_missing_its_references_gets_no_interaction_row():
 def test_the_questions_are_the_batterys_when_its_lengths_hold_the_needle_lengths(smoke_with):
     cfg = smoke_with("weightquant", needle_lengths=[512])
     s = needle_battery(cfg)
-    assert s["lengths"] == [512, 1024] and (s["contexts"], s["needles"]) == (2, 2), "the battery's own settings: its questions"
+    assert s.lengths == [512, 1024] and (s.contexts, s.needles) == (2, 2), "the battery's own settings: its questions"
     other = needle_battery(smoke_with("weightquant", needle_lengths=[256], needle={"contexts": 1, "needles": 3}))
-    assert other["lengths"] == [256] and (other["contexts"], other["needles"]) == (1, 3)
+    assert other.lengths == [256] and (other.contexts, other.needles) == (1, 3)
     with pytest.raises(ConfigError, match=r"weightquant.needle.contexts must be a whole number"):
         needle_battery(smoke_with("weightquant", needle={"contexts": 0, "needles": None}))
 

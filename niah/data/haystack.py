@@ -17,6 +17,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 # a sentence ends at . ! ? followed by whitespace, or right after a CJK full stop / mark
@@ -24,8 +25,6 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])(?=\s)|(?<=[。！？])")
 
 
 def pydoc_text() -> str:
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
 
 

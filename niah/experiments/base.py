@@ -3,13 +3,15 @@ by a context that is too long for the model or a run out of memory.
 
 An experiment (grid, battery, sweep, perplexity through the cache, llama.cpp, the weight schemes' needles)
 opens one :class:`Experiment`, asks it which of its rows are still missing, and writes rows through it, so a
-killed run resumes where it stopped and every row says which config, model, commit and versions made it.
+killed run resumes where it stopped and every row says which config, model, commit and versions made it.  A
+cluster worker writes its rows to a :class:`Collect` instead; the loops take either as a :class:`RowSink`.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from tqdm.auto import tqdm
 
@@ -54,6 +56,21 @@ def too_long_reason(cfg: Config, loaded, prompt: int, answer: int = 0) -> str | 
     extend = " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
     hint = "" if limit > loaded.native_context else extend
     return f"context of {tokens} tokens (with question and answer) exceeds the model's limit of {limit} tokens.{hint}"
+
+
+@runtime_checkable
+class RowSink(Protocol):
+    """Where a run's rows go: an :class:`Experiment` (its results table, in this process) or a :class:`Collect` (a
+    cluster worker's list, which the driver writes).  ``row(**keys)`` is a row's start (the keys, and for an
+    :class:`Experiment` the provenance); ``fail`` writes rows as not measured (``too_long`` or ``oom``)."""
+
+    cfg: Config
+
+    def row(self, **keys) -> dict: ...
+
+    def write(self, rows: list[dict]) -> None: ...
+
+    def fail(self, rows: list[dict], status: str, reason) -> None: ...
 
 
 class Experiment:

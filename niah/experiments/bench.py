@@ -18,9 +18,10 @@ import time
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache, QuantizedCache
 
 from ..kv.attend import decode_attention as decode_attention_step
-from ..kv.cache import PackedLayer
+from ..kv.cache import FusedDecodeLayer, PackedLayer
 from ..kv.registry import get_method
 
 
@@ -143,7 +144,7 @@ def decode_attention(
     ]
     for name in methods:
         for path in ("dequantize", "per chunk"):
-            layer = PackedLayer(get_method(name), 0, keep_dequantized=False, fused_decode=path == "per chunk")
+            layer = (FusedDecodeLayer if path == "per chunk" else PackedLayer)(get_method(name), 0, keep_dequantized=False)
             layer.update(k, v)
 
             def step():
@@ -161,8 +162,6 @@ def decode_attention(
 @torch.no_grad()
 def hf_quantized_cache(lm, context_ids: list[int], steps: int = 16, nbits_list=(4, 2)) -> pd.DataFrame:
     """Decode ms/token of transformers' ``DynamicCache`` and ``QuantizedCache(backend="quanto")`` after the same prefill."""
-    from transformers import DynamicCache, QuantizedCache
-
     def decode_ms(cache) -> float:
         ids = torch.tensor([context_ids])
         out = lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)

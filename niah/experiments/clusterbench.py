@@ -18,7 +18,7 @@ from pathlib import Path
 from ..cluster import Pool, Unit
 from ..config import Config, load_config
 from ..models import load_model
-from .battery import run_battery
+from .battery import battery_contexts, run_battery
 
 LOCAL = {"engine": "ray", "address": None, "workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}
 
@@ -61,7 +61,7 @@ def _startup(cfg: Config) -> float:
     """Seconds to start a local cluster of :data:`LOCAL`'s workers and load the model in each (one empty unit each)."""
     t0 = time.perf_counter()
     with Pool(cfg) as pool:
-        list(pool.run([Unit(f"warm-up {i}", 1, "niah.experiments.clusterbench:noop", None) for i in range(LOCAL["workers"])]))
+        list(pool.run([Unit(f"warm-up {i}", 1, noop, None) for i in range(LOCAL["workers"])]))
         return time.perf_counter() - t0
 
 
@@ -74,13 +74,11 @@ def unit_overhead(units: int = 200) -> dict:
         t0 = time.perf_counter()
         run_battery(cfg, lm, Path(tmp) / "one.jsonl", progress=False)
         battery_s = time.perf_counter() - t0
-    from .battery import battery_contexts
-
     battery_units = len(battery_contexts(cfg, lm)) * len(cfg.battery.lengths)
     with Pool(cfg.updated("cluster", **LOCAL)) as pool:
-        list(pool.run([Unit(f"warm-up {i}", 1, "niah.experiments.clusterbench:noop", None) for i in range(LOCAL["workers"])]))
+        list(pool.run([Unit(f"warm-up {i}", 1, noop, None) for i in range(LOCAL["workers"])]))
         t0 = time.perf_counter()
-        list(pool.run([Unit(f"empty {i}", 1, "niah.experiments.clusterbench:noop", None) for i in range(units)]))
+        list(pool.run([Unit(f"empty {i}", 1, noop, None) for i in range(units)]))
         wall = time.perf_counter() - t0
     per_unit = wall / units
     return {

@@ -25,8 +25,10 @@ from ..config import Config, ConfigError
 from ..kv.cache import PackedCache
 from ..kv.layout import FULL, SLIDING
 from ..kv.registry import get_method
-from .base import Collect, Experiment
-from .protocol import check_engine_reads, compare_logits, context_states, kv_entries, prefill, read_prompt
+from ..kv.spec import CacheSpec
+from ..weightquant.data import split_text, token_windows
+from .base import Collect, Experiment, RowSink
+from .protocol import cache_spec, check_engine_reads, compare_logits, context_states, kv_entries, prefill, read_prompt
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,6 @@ def run_kv_perplexity(cfg: Config, lm, out_path: Path, progress: bool = True) ->
     """Score every missing (method, window) row of the config's ``kv_perplexity`` section; return the table's path.
     With a cluster (``cluster:``), each window is a unit on a Ray worker and this
     process writes their rows as they arrive."""
-    from ..weightquant.data import split_text, token_windows
 
     s = cfg.kv_perplexity
     tokens = s.context + s.continuation
@@ -56,7 +57,7 @@ def run_kv_perplexity(cfg: Config, lm, out_path: Path, progress: bool = True) ->
         )
     for m in s.methods:
         get_method(m).check_head_dim(lm.head_dim)
-    check_engine_reads({m: get_method(m) for m in s.methods}, s.context, cfg.niah.engine_chunk)
+    check_engine_reads({m: cache_spec(cfg, m) for m in s.methods}, s.context)
     exp = Experiment(cfg, "kv_perplexity", lm.name, out_path, progress)
     todo = {w: names for w in range(s.windows) if (names := exp.missing(s.methods, window=w))}
     if not todo:
@@ -67,7 +68,7 @@ def run_kv_perplexity(cfg: Config, lm, out_path: Path, progress: bool = True) ->
     units = [Window(w, windows[w].tolist(), tuple(dict.fromkeys([s.methods[0], *names])), tuple(names)) for w, names in todo.items()]
     exp.start(sum(len(u.todo) for u in units), "KV perplexity")
     if cfg.cluster.present:
-        work = [Unit(f"kv_perplexity window {u.index}", tokens * len(u.methods), "niah.experiments.kvppl:window_unit", u) for u in units]
+        work = [Unit(f"kv_perplexity window {u.index}", tokens * len(u.methods), window_unit, u) for u in units]
         run_units(cfg, work, exp.write_from_worker)
     else:
         for u in units:
@@ -83,16 +84,15 @@ def window_unit(cfg: Config, lm, unit: Window) -> list[dict]:
 
 
 @torch.no_grad()
-def _score_window(sink, lm, unit: Window) -> None:
-    """Prefill one window's context once and score each of its methods; rows go to ``sink`` (an
-    :class:`~niah.experiments.base.Experiment` or a :class:`~niah.experiments.base.Collect`)."""
+def _score_window(sink: RowSink, lm, unit: Window) -> None:
+    """Prefill one window's context once and score each of its methods; rows go to ``sink``."""
     cfg = sink.cfg
     s = cfg.kv_perplexity
     ids = unit.ids
     kv = context_states(prefill(lm.model, ids[: s.context], chunk=cfg.niah.prefill_chunk))
     ref_logsm = None
     for name in unit.methods:
-        row, logsm = _score(lm, kv, get_method(name), ids[s.context :], cfg.niah.engine_chunk)
+        row, logsm = _score(lm, kv, cache_spec(cfg, name, fresh_prompt=False), ids[s.context :])
         ref_logsm = logsm if ref_logsm is None else ref_logsm
         row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
         if name in unit.todo:
@@ -100,11 +100,13 @@ def _score_window(sink, lm, unit: Window) -> None:
             sink.write([{**keys, "status": "ok", **row}])
 
 
-def _score(lm, kv, method, continuation: list[int], engine_chunk: int) -> tuple[dict, torch.Tensor]:
-    """One teacher-forced pass of ``continuation`` over ``kv`` stored by ``method``: the row's numbers and the
+def _score(lm, kv, spec: CacheSpec, continuation: list[int]) -> tuple[dict, torch.Tensor]:
+    """One teacher-forced pass of ``continuation`` over ``kv`` stored as ``spec`` says: the row's numbers and the
     next-token log-softmax ``(len(continuation) - 1, vocab)``.  In the ``engine`` read mode the context is a cached
-    prefix (a prefix-cache hit) and the continuation the new request's prompt, read as vLLM reads it."""
-    stored = PackedCache.from_states(kv, method, engine_chunk=engine_chunk, fresh_prompt=False)
+    prefix (a prefix-cache hit: ``spec.fresh_prompt`` False) and the continuation the new request's prompt, read as
+    vLLM reads it."""
+    method = spec.method
+    stored = PackedCache.from_states(kv, spec)
     values = kv_entries(kv)
     bits = 8 * stored.nbytes()["total"] / values
     ids = torch.tensor([continuation], device=next(lm.model.parameters()).device)

@@ -38,7 +38,7 @@ INSTALL = "pip install -e '.[llamacpp]' (or `make setup-llamacpp`; it compiles l
 
 def installed() -> bool:
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401  # optional extra: llamacpp
     except ImportError:
         return False
     return True
@@ -56,7 +56,7 @@ def variants(s: dict) -> list[tuple[str, str, bool]]:
 def open_llama(gguf: Path, n_ctx: int, kv: str, rotation: bool, threads: int):
     """A llama.cpp context on ``gguf`` with cache type ``kv`` for K and V, flash attention, ``rotation`` on or off."""
     try:
-        import llama_cpp
+        import llama_cpp  # optional extra: llamacpp
     except ImportError:
         raise ModelUnavailable(f"llama-cpp-python is not installed: {INSTALL}") from None
     if rotation:
@@ -81,7 +81,7 @@ def open_llama(gguf: Path, n_ctx: int, kv: str, rotation: bool, threads: int):
 
 
 def _last_logits(llm) -> torch.Tensor:
-    import llama_cpp
+    import llama_cpp  # optional extra: llamacpp
 
     ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
     return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy())
@@ -117,7 +117,7 @@ def ask_llama(llm, ids: list[int], question_ids: list[int], answer_ids: list[int
 def state_size(llm) -> int:
     """Bytes of llama.cpp's session state now (its KV cache at the tokens evaluated, plus the last logits): at the same
     tokens, the difference between two cache types is the difference of their caches."""
-    import llama_cpp
+    import llama_cpp  # optional extra: llamacpp
 
     return int(llama_cpp.llama_state_get_size(llm.ctx))
 

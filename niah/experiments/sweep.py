@@ -22,8 +22,11 @@ with status ``oom`` and the sweep goes on.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,9 +41,10 @@ from ..data.needles import NeedleSpec, make_trial, needle_text
 from ..data.prompts import build_cell
 from ..kv.cache import PackedCache, fused_decoding, warm_up
 from ..kv.layout import FULL, SLIDING, CacheLayout
-from ..kv.registry import get_method
-from .base import Collect, Experiment
-from .protocol import ask, compare_logits, context_states, kv_entries, prefill
+from ..kv.spec import CacheSpec
+from ..models import load_model
+from .base import Collect, Experiment, RowSink
+from .protocol import ask, cache_spec, check_engine_reads, compare_logits, context_states, kv_entries, prefill
 from .scoring import string_match_all
 from .telemetry import MemorySampler, model_cuda_devices
 
@@ -66,13 +70,13 @@ def _greedy(model, cache, first_token: int, steps: int) -> list[int]:
 
 
 def _paired_tpot(lm, kv, methods: dict, first: dict[str, int], steps: int, ref: str) -> dict[str, dict]:
-    """TPOT of every method in ``methods`` (name -> quantizer, the reference ``ref`` among them) at the context
-    ``kv``, from ``steps`` rounds of decode steps: each round runs one step of every method on its own freshly
-    stored cache, from its token ``first[name]``, in an order rotated every round.  ``tpot_vs_ref`` is the median
-    over rounds of the method's step over the reference's step of the same round: the two ran a second or less
-    apart, so a slow spell of a shared machine moves both (timed method after method, ratios at 16K moved by
+    """TPOT of every method in ``methods`` (name -> :class:`~niah.kv.spec.CacheSpec`, the reference ``ref`` among
+    them) at the context ``kv``, from ``steps`` rounds of decode steps: each round runs one step of every method on
+    its own freshly stored cache, from its token ``first[name]``, in an order rotated every round.  ``tpot_vs_ref``
+    is the median over rounds of the method's step over the reference's step of the same round: the two ran a second
+    or less apart, so a slow spell of a shared machine moves both (timed method after method, ratios at 16K moved by
     up to 1.4x between runs).  Returns per method ``tpot_median_s``, ``tpot_p90_s`` and ``tpot_vs_ref``."""
-    caches = {n: PackedCache.from_states(kv, m, keep_dequantized=False, fused_decode=True) for n, m in methods.items()}
+    caches = {n: PackedCache.from_states(kv, m) for n, m in methods.items()}
     tokens, times, names = dict(first), {n: [] for n in methods}, list(methods)
     with fused_decoding(lm.model):
         for r in range(steps):
@@ -112,12 +116,13 @@ def run_sweep(cfg: Config, lm, out_path: Path, progress: bool = True) -> Path:
     exp = Experiment(cfg, "sweep", lm.name, out_path, progress)
     lengths = sorted(s.lengths)
     CacheLayout.from_config(lm.model.config).check_context(lengths[0], lm.name)
+    check_engine_reads({m: cache_spec(cfg, m) for m in s.methods}, lengths[-1])
     todo = {L: names for L in lengths if (names := exp.missing(s.methods, length=L))}
     if not todo:
         return exp.path
     exp.start(sum(map(len, todo.values())), "pressure sweep")
     if cfg.cluster.present:
-        units = [Unit(f"sweep {m} at {L}", L, "niah.experiments.sweep:sweep_unit", {L: [m]}) for L, names in todo.items() for m in names]
+        units = [Unit(f"sweep {m} at {L}", L, sweep_unit, {L: [m]}) for L, names in todo.items() for m in names]
         run_units(cfg, units, exp.write_from_worker)
     else:
         torch.set_num_threads(cfg.threads)
@@ -132,23 +137,24 @@ def sweep_unit(cfg: Config, lm, todo: dict[int, list[str]]) -> list[dict]:
     return sink.rows
 
 
-def _run_steps(sink, lm, todo: dict[int, list[str]]) -> None:
+def _run_steps(sink: RowSink, lm, todo: dict[int, list[str]]) -> None:
     """Prefill the sweep's context step by step up to the longest length in ``todo`` (length -> methods still
-    missing) and measure those methods, with the reference, at their lengths; rows go to ``sink`` (an
-    :class:`~niah.experiments.base.Experiment` or a :class:`~niah.experiments.base.Collect`)."""
+    missing) and measure those methods, with the reference, at their lengths; rows go to ``sink``."""
     cfg = sink.cfg
     s = cfg.sweep
     ref = cfg.niah.reference
     longest = max(s.lengths)  # every step's context is a prefix of the longest step's, on every worker
     lengths = [L for L in sorted(s.lengths) if L <= max(todo)]
-    methods = {m: get_method(m) for m in dict.fromkeys([ref, *(m for ms in todo.values() for m in ms)])}
+    # the real decode path: every step reads the whole stored cache, chunk by chunk
+    decode = {"keep_dequantized": False, "fused_decode": True}
+    methods = {m: cache_spec(cfg, m, **decode) for m in dict.fromkeys([ref, *(m for ms in todo.values() for m in ms)])}
     hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, longest)
     trial = make_trial(NeedleSpec(**{**cfg.niah.needle, "variant": "single"}), random.Random(f"{cfg.seed}/sweep"))
     cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")
     probe_from = cell.needle_at + len(lm.tokenizer.encode(needle_text(trial.kind, *trial.needles[0]), add_special_tokens=False))
     cuda = str(cfg.device).startswith("cuda")
     for m in methods.values():  # compile the fused kernels before anything is timed
-        warm_up(m, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
+        warm_up(m.method, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
     layout = CacheLayout.from_config(lm.model.config)
     cache, done_tokens, ttft = None, 0, 0.0
     for L in lengths:
@@ -172,7 +178,9 @@ def _run_steps(sink, lm, todo: dict[int, list[str]]) -> None:
             sink.write(_step_rows(sink, lm, context_states(cache), L, step, names, cell, L >= probe_from, ttft, cuda))
 
 
-def _step_rows(sink, lm, kv, L: int, methods: dict, names: list[str], cell, probe: bool, ttft: float, cuda: bool) -> list[dict]:
+def _step_rows(
+    sink: RowSink, lm, kv, L: int, methods: dict, names: list[str], cell, probe: bool, ttft: float, cuda: bool
+) -> list[dict]:
     """The rows of ``names`` at the step of length ``L``, whose context is ``kv``: each of ``methods`` (the reference first) is
     stored, probed and decoded, then all are decoded together for the paired TPOT."""
     s = sink.cfg.sweep
@@ -202,7 +210,7 @@ def _step_rows(sink, lm, kv, L: int, methods: dict, names: list[str], cell, prob
     return [{**rows[name], **paired.get(name, {})} for name in rows if name in names]
 
 
-def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
+def _measure(lm, kv, spec: CacheSpec, cell, probe: bool, s: dict, cuda: bool) -> dict:
     """Store, probe and decode one step for one method, with its memory trace; the numbers of one sweep row but
     TPOT (:func:`_paired_tpot`), and its first decode token (``_first``)."""
     gpus = model_cuda_devices(lm.model)  # several when the model is spread over GPUs: memory is their sum
@@ -211,7 +219,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
     sampler = MemorySampler(hz=s.hz, source="cuda" if cuda else "rss", devices=gpus).start()
     try:
         t0 = time.perf_counter()
-        stored = PackedCache.from_states(kv, method, keep_dequantized=False, fused_decode=True)
+        stored = PackedCache.from_states(kv, spec)
         quantize_s = time.perf_counter() - t0
         nbytes = stored.nbytes()
         with fused_decoding(lm.model):
@@ -233,7 +241,7 @@ def _measure(lm, kv, method, cell, probe: bool, s: dict, cuda: bool) -> dict:
         "kv_bytes_full_attention": nbytes[FULL],
         "kv_bytes_sliding_attention": nbytes[SLIDING],
         "linear_state_bytes": nbytes["linear_state"],
-        "kv_bytes_analytical": method.analytical_bits(lm.head_dim) * values / 8,
+        "kv_bytes_analytical": spec.method.analytical_bits(lm.head_dim) * values / 8,
         "bits_per_value": 8 * nbytes["total"] / values,
         "quantize_s": quantize_s,
         "decode_steps": s.decode_steps,
@@ -251,8 +259,6 @@ def first_request_ttft(cfg: Config, target: int, warmup: int = 0) -> dict:
 
     Call it in a fresh process (see :func:`cold_vs_warm`): "cold" means the first request after loading.
     """
-    from ..models import load_model
-
     torch.set_num_threads(cfg.threads)
     lm = load_model(cfg.model, device=cfg.device)
     ids = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, target).ids
@@ -272,10 +278,6 @@ def cold_vs_warm(cfg: Config, target: int, warmup: int, repeats: int = 1) -> dic
     first, ``repeats`` times each (cold and warm alternate, so a slow spell of the machine hits both).
 
     Returns ``{"target", "warmup", "cold_s": [...], "warm_s": [...], "reduction"}``, the reduction of the medians."""
-    import json
-    import subprocess
-    import sys
-
     runs = {"target": target, "warmup": warmup, "cold_s": [], "warm_s": []}
     for _ in range(repeats):
         for label, w in (("cold", 0), ("warm", warmup)):

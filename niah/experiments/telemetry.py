@@ -29,7 +29,7 @@ def nvml_index(cuda_index: int) -> int | str:
 def _cuda_reader(cuda_indices: list[int]):
     """Bytes used on those GPUs together, through pynvml, or None when pynvml cannot see them."""
     try:
-        import pynvml
+        import pynvml  # optional: without NVML the CUDA allocator's count stands in
 
         pynvml.nvmlInit()
         handles = []
@@ -73,7 +73,7 @@ class MemorySampler:
             proc = psutil.Process()
             self.reader = "psutil rss"
             return lambda: proc.memory_info().rss
-        import torch
+        import torch  # heavy: torch, for the cuda source only
 
         devices = self.devices or [torch.cuda.current_device()]
         nvml = _cuda_reader(devices)

@@ -62,9 +62,9 @@ class PackedLayer(CacheLayerMixin):
     the stored form, its own tokens included.
 
     ``chunks``: (packed keys, packed values) blocks, oldest first; ``res_k, res_v``: the newest tokens in full
-    precision, ``(batch, kv_heads, tokens, head_dim)``.  Once the residual holds more than ``method.residual +
-    method.token_group`` tokens, its oldest whole groups become a new chunk (``residual = 0``, ``token_group = 1``:
-    every token is coded as soon as it is stored, as llama.cpp does).  Every chunk after the first is coded by
+    precision, ``(batch, kv_heads, tokens, head_dim)``.  Whole ``method.token_group`` groups older than the newest
+    ``method.residual`` tokens are coded into a new chunk as soon as they are stored (``residual = 0``,
+    ``token_group = 1``: every token is, as llama.cpp does).  Every chunk after the first is coded by
     ``quantize_after(tokens, previous chunk)``, keeping a per-head parameter chosen from the first chunk (the prefill).
     ``window``: a sliding-window layer's window; it keeps and reads its last ``window - 1`` tokens.
     ``keep_dequantized``: memoize the dequantized chunks (full-attention layers; speed only, not storage).

@@ -90,6 +90,6 @@ def qwen3_5_35b_a3b_config():
     """The text architecture of ``Qwen/Qwen3.5-35B-A3B``, the seeds' model, without its weights: transformers'
     ``Qwen3_5MoeTextConfig`` defaults, which its docstring gives as that checkpoint's (40 layers, every 4th full
     attention with 2 KV heads of 256, the others Gated DeltaNet), with its 262,144-token context."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers, for this one architecture's numbers
 
     return AutoConfig.for_model("qwen3_5_moe_text", max_position_embeddings=262144)

@@ -31,6 +31,7 @@ from typing import Callable
 
 from .base import KVQuantizer
 from .layout import FULL, SLIDING
+from .methods.centred import Centred
 
 _FACTORIES: dict[str, Callable[[], KVQuantizer]] = {}
 BITS_ALIAS = {"16": "fp16", "8": "q8_0", "4": "q4_0"}
@@ -162,8 +163,6 @@ def with_modifier(name: str, mod: str) -> str | None:
 
 def _modified(m: KVMethod, mod: str) -> KVMethod:
     if mod == "centred":
-        from .methods.centred import Centred
-
         return replace(m, key=Centred(m.key))
     if mod in ("keys", "values"):
         fp16 = _FACTORIES["fp16"]()
@@ -187,6 +186,7 @@ def _core_method(name: str) -> KVMethod:
 
 def _load_builtin() -> None:
     """Import the modules whose ``@register`` calls add the built-in methods."""
+    # cycle: each of these modules imports this registry at its top, for @register
     from .methods import (  # noqa: F401
         fp4,
         fp8,

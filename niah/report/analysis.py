@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 from ..config import Config
-from .stats import wilson_interval
+from .fits import dominant_period, polyfit
+from .stats import paired_table, wilson_interval
 
 
 def summarize(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
@@ -31,8 +32,6 @@ def summarize(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
 
 def sweep_fits(sweep: pd.DataFrame) -> pd.DataFrame:
     """Per method: linear fit of KV bytes on length (bytes per token, R^2), quadratic TTFT fit, TPOT growth."""
-    from .fits import polyfit
-
     rows = []
     for method, part in sweep[sweep["status"] == "ok"].groupby("method", sort=False):
         part = part.sort_values("length")
@@ -78,8 +77,6 @@ def at_lengths(sweep: pd.DataFrame, lengths=(4096, 8192, 16384), ref: str = "fp1
 
 def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
     """Dominant period and peak-to-trough amplitude of each memory trace (claim S0-10)."""
-    from .fits import dominant_period
-
     rows = []
     for _, r in sweep[sweep["status"] == "ok"].iterrows():
         if len(r["trace_t"]) < 8:
@@ -100,6 +97,7 @@ def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
 
 def kv_value_share(lm, cfg: Config, tokens: int = 2048, bound: float = 6.0) -> float:
     """Share of the real model's K and V values within [-bound, bound] over a ``tokens``-token pydoc prefill (claim S0-8)."""
+    # heavy: the prefill loads transformers, for claim S0-8 only
     from ..data.haystack import haystack_text, tokenize_haystack
     from ..experiments.protocol import context_states, prefill
 
@@ -152,8 +150,6 @@ def read_mode_table(df: pd.DataFrame) -> pd.DataFrame:
     ``strict`` one on the same questions (:func:`niah.report.stats.paired_table`): both accuracies, engine's losses
     and gains against strict, McNemar's p, the answer log-prob difference (engine - strict) with its interval, and
     the mean KL of each against the reference cache. Empty when no method was asked both ways."""
-    from .stats import paired_table
-
     ok = df[df["status"] == "ok"] if len(df) else df
     names = set(ok["method"]) if len(ok) else set()
     rows = []

@@ -9,6 +9,10 @@ import warnings
 from pathlib import Path
 
 from ..config import ROOT, load_config
+from ..results import hold_lock
+from .claims import CLAIMS
+from .htmlcheck import PRINT_STYLE, check_report
+from .summary import NoResults, summary_markdown
 
 NOTEBOOKS = ROOT / "notebooks"
 
@@ -31,9 +35,7 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     Executed notebooks and results go to ``papermill_runs/<config>/``, figures to ``figures/<config>/``
     (or under ``run_root`` and ``figures_root``).
     """
-    import papermill
-
-    from ..results import hold_lock
+    import papermill  # optional extra: notebooks
 
     cfg = load_config(config)  # fails fast on a bad config, before any notebook starts
     unknown = [o for o in only or [] if not any(nb.name.startswith(o) for nb in chain())]
@@ -64,8 +66,6 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     target.write_text(json.dumps(times, indent=1))
     if not only:
         (out / ATTEMPT).unlink(missing_ok=True)
-        from .summary import NoResults, summary_markdown
-
         try:
             (out / "summary.md").write_text(summary_markdown(cfg, out), encoding="utf-8")
         except NoResults as err:
@@ -94,10 +94,9 @@ def _interrupted_runs(out: Path) -> list[float]:
 
 def report(config: str, run_root: Path | None = None) -> Path:
     """Merge the executed notebooks of ``config`` into one self-contained HTML file (code hidden, images embedded)."""
+    # optional extra: notebooks
     import nbformat
     from nbconvert import HTMLExporter
-
-    from .htmlcheck import PRINT_STYLE
 
     out = run_dir(config, run_root)
     executed = [out / nb.name for nb in chain() if (out / nb.name).exists()]
@@ -155,10 +154,7 @@ def _without_progress_bars(cell):
 def check(config: str, run_root: Path | None = None) -> dict:
     """Render ``report.html`` of ``config`` in headless Chromium (:mod:`niah.report.htmlcheck`): every figure of the
     executed notebooks must decode, and the claims ledger table must list every claim with a verdict."""
-    import nbformat
-
-    from .claims import CLAIMS
-    from .htmlcheck import check_report
+    import nbformat  # optional extra: notebooks
 
     out = run_dir(config, run_root)
     target = out / "report.html"

@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from .. import tokenizer as bytetok
 from ..experiments.telemetry import MemorySampler
 from .pack import PackedLinear
 from .quant import QWeight, grouped, quantize_weight
@@ -42,7 +44,7 @@ def version() -> str:
 def presets() -> dict[str, dict]:
     """auto-round's preset schemes: ``{name: {bits, group_size, sym, act_bits, ...}}``."""
     version()
-    from auto_round.schemes import PRESET_SCHEMES
+    from auto_round.schemes import PRESET_SCHEMES  # heavy: auto_round loads transformers, when it runs only
 
     return {name: {k: v for k, v in s.to_dict().items() if v is not None} for name, s in PRESET_SCHEMES.items()}
 
@@ -56,7 +58,7 @@ def scheme(bits: int, group: int, sym: bool, act_bits: int = 16, preset: str | N
     """An auto-round ``QuantizationScheme``: the named ``preset`` (an error listing the real ones if it is absent),
     or integer weights with dynamic per-token integer activations when ``act_bits < 16``."""
     table = presets()
-    from auto_round.schemes import QuantizationScheme, preset_name_to_scheme
+    from auto_round.schemes import QuantizationScheme, preset_name_to_scheme  # heavy: as in presets()
 
     if preset is not None:
         if preset.upper() not in table:
@@ -83,7 +85,7 @@ def _has_linear_attention(model) -> bool:
 
 
 def _autoround(model, tokenizer, windows: torch.Tensor, sch, iters: int, batch_size: int, amp: bool, seed: int):
-    from auto_round import AutoRound
+    from auto_round import AutoRound  # heavy: auto_round loads transformers, when it runs only
 
     if windows.shape[0] < 1 or windows.shape[1] < 2:
         raise ValueError(f"AutoRound needs calibration windows (samples, seqlen) with seqlen >= 2; got {tuple(windows.shape)}")
@@ -217,9 +219,7 @@ def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compr
     each requested export format what was written: ``packed`` (integer weight tensors) or ``fake``
     (full-precision quantize-dequantized weights).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .. import tokenizer as bytetok
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: transformers, for this check only
 
     table = presets()
     torch.manual_seed(0)
@@ -272,8 +272,6 @@ def _save_as(ar, fmt: str) -> str:
 
 def _written_format(folder: Path) -> str:
     """``packed`` if a saved checkpoint holds integer weight tensors (``qweight``), else ``fake``."""
-    from safetensors import safe_open
-
     names = [k for f in folder.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()]
     config = json.loads((folder / "config.json").read_text()).get("quantization_config", {}) if (folder / "config.json").exists() else {}
     return "packed" if any(n.endswith("qweight") for n in names) else f"fake ({config.get('packing_format', 'dense weights')})"

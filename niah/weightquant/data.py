@@ -10,14 +10,13 @@ perplexity, KL, generation prompts and the needle haystack read only evaluation 
 from __future__ import annotations
 
 import hashlib
+from pydoc_data.topics import topics
 
 import torch
 
 
 def split_keys(share: float) -> tuple[list[str], list[str]]:
     """(calibration keys, evaluation keys) of ``pydoc_data.topics``, each sorted."""
-    from pydoc_data.topics import topics
-
     if not 0.0 < share < 1.0:
         raise ValueError(f"weightquant.calibration_share must lie strictly between 0 and 1; got {share}")
     calib = [k for k in sorted(topics) if int(hashlib.sha256(k.encode()).hexdigest()[:8], 16) < share * 16**8]
@@ -27,8 +26,6 @@ def split_keys(share: float) -> tuple[list[str], list[str]]:
 
 def split_text(part: str, share: float) -> str:
     """The text of the ``calibration`` or ``evaluation`` keys, joined as :func:`niah.data.haystack.pydoc_text` does."""
-    from pydoc_data.topics import topics
-
     calib, held = split_keys(share)
     keys = {"calibration": calib, "evaluation": held}.get(part)
     if keys is None:

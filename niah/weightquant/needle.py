@@ -18,8 +18,10 @@ from dataclasses import replace
 import pandas as pd
 
 from ..config import Config
-from ..experiments.battery import run_battery
+from ..experiments.base import Experiment
+from ..experiments.battery import ask_battery, battery_contexts, battery_plan
 from ..kv.registry import get_method
+from ..rundir import open_table
 from ..schema import Battery
 from .schemes import REF_METHOD, QuantizedModel
 
@@ -46,20 +48,15 @@ def needle_battery(cfg: Config) -> Battery:
 
 
 def run_needles(cfg: Config, lm, qm: QuantizedModel, methods: list[str], path) -> pd.DataFrame:
-    """Ask the weights x KV questions of ``qm`` (applied to ``lm.model`` meanwhile) through ``methods``; its rows."""
-    from ..rundir import open_table
-
+    """Ask the weights x KV questions of ``qm`` (applied to ``lm.model`` meanwhile) through ``methods``; its rows.
+    The battery's steps (:func:`~niah.experiments.battery.run_battery`) on settings :func:`needle_battery`, into
+    their own table, each row tagged with its weights, and never on a cluster (its workers load the config's own
+    weights)."""
     with qm.applied(lm.model):
-        run_battery(
-            cfg,
-            lm,
-            path,
-            settings=needle_battery(cfg),
-            lengths=cfg.weightquant.needle_lengths,
-            methods=methods,
-            table="weightquant_needles",
-            tag={"weights": qm.name, "simulated": qm.scheme.simulated},
-            label=f"needles {qm.name}",
-        )
+        s = needle_battery(cfg)
+        exp = Experiment(cfg, "weightquant_needles", lm.name, path)
+        tag = {"weights": qm.name, "simulated": qm.scheme.simulated}
+        plan = battery_plan(cfg, lm, s, methods, cfg.weightquant.needle_lengths, tag)
+        ask_battery(exp, lm, plan, battery_contexts(cfg, lm, s), f"needles {qm.name}")
     df = pd.DataFrame(open_table(cfg, "weightquant_needles", path).rows())
     return df[df["weights"] == qm.name].reset_index(drop=True) if len(df) else df

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..kv import packing as kv_packing
@@ -93,8 +94,6 @@ def save_packed(path: Path, layers: dict[str, PackedLinear], meta: dict) -> None
 
 def load_packed(path: Path) -> tuple[dict[str, PackedLinear], dict]:
     """Inverse of :func:`save_packed`: ``(layers, meta)``."""
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as f:
         header = f.metadata()
     flat = load_file(str(path))

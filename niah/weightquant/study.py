@@ -51,7 +51,7 @@ from ..schema import ConfigError
 from . import autoround
 from .awq import foldable, search_scale
 from .cache import cached
-from .data import split_text, token_windows, windows_hash
+from .data import split_keys, split_text, token_windows, windows_hash
 from .evaluate import Evaluator, generate, repetition
 from .needle import needle_battery, run_needles, usable_methods
 from .quant import fake_quant_weight
@@ -328,8 +328,6 @@ class Study:
 
     def describe(self) -> pd.DataFrame:
         """The data and settings behind the numbers: splits, windows, AutoRound and needle settings."""
-        from .data import split_keys
-
         calib, held = split_keys(self.s.calibration_share)
         c, e, b = self.s.calibration, self.s.evaluation, needle_battery(self.cfg)
         facts = {

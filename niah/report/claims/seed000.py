@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ...kv.layout import FULL, LINEAR, CacheLayout, qwen3_5_35b_a3b_config
+from ...kv.registry import get_method
+from ..analysis import breathing, sweep_fits
 from ..stats import BOOTSTRAP, interval_verdict, paired_bootstrap, paired_table, wilson_interval
 from ..tables import speed_table
 from .common import Evidence, _drop_text, _drop_verdict, _drops, _missing, _single
@@ -66,10 +70,6 @@ def s0_1(ev):
 
 
 def s0_2(ev):
-    import torch
-
-    from ...kv.registry import get_method
-
     x = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))
     p = get_method("q8_0").key.quantize(x)
     per = x.numel() / p.tensors["scales"].numel()
@@ -80,8 +80,6 @@ def s0_2(ev):
 
 
 def s0_3(ev):
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
     q4k_bits = 8 * size / block
     q8 = ev.niah_method("q8_0")
@@ -106,8 +104,6 @@ def s0_4(ev):
 
 
 def s0_5(ev):
-    from ..analysis import sweep_fits
-
     if not len(ev.sweep):
         return _missing("pressure sweep")
     fits = sweep_fits(ev.sweep)
@@ -158,8 +154,6 @@ def s0_9(ev):
 
 
 def s0_10(ev):
-    from ..analysis import breathing
-
     if not len(ev.sweep):
         return _missing("pressure sweep")
     b = breathing(ev.sweep)

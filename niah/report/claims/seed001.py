@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ...kv.registry import available
 from ..stats import interval_verdict, wilson_interval
 from ..tables import perplexity_table
 from .common import Evidence, _drop_text, _drop_verdict, _drops, _missing, _single, dense_layout
@@ -100,8 +101,6 @@ def s1_3(ev):
 
 
 def s1_4(ev):
-    from ...kv.registry import available
-
     have = {"turbo3", "sliding_window_asym3"} <= set(available())
     if not have:
         return _missing("turbo3 and sliding_window_asym3 methods")
