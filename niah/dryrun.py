@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from .config import ROOT, Config, ConfigError, load_config
+from .models import _converted_folder
 from .schema import SCALE, SECTIONS, filled
 
 # The text architecture of hub models whose config.json this machine may not have (no network); field values from
@@ -70,9 +71,7 @@ def full_architecture(spec: dict):
 
     random: from the spec; package/assembled: from the converted folder; local: its config.json; hub: the local
     Hugging Face cache, else :data:`KNOWN`."""
-    from transformers import AutoConfig
-
-    from .models import _converted_folder
+    from transformers import AutoConfig  # heavy: transformers, only when a config is rewritten
 
     source = spec.get("source")
     if source == "random":

@@ -119,7 +119,7 @@ def _selected(row: dict, chosen: dict[str, dict[str, set]]) -> bool:
 def load_table(cfg: Config, kind: str, path: str | Path):
     """The rows of table ``kind`` at ``path`` that belong to ``cfg``'s current settings and :func:`selection`, as a
     DataFrame (each row key once; a warning says what was left out)."""
-    import pandas as pd
+    import pandas as pd  # heavy: pandas, only where a table is shown (the runners only append rows)
 
     spec = _kind(kind)
     rows, notes = current_rows(read_rows(path), spec.key, settings_hash(cfg, kind))

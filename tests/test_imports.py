@@ -1,5 +1,5 @@
-"""The import graph of ``niah/``, read from the source with :mod:`ast` (nothing is imported): the stages import each
-other one way, and every import inside a function says why it is there.
+"""The import graph of ``niah/``, read from the source with :mod:`ast` (nothing is imported): no import cycle but
+the KV method registry's, and every import inside a function says why it is there.
 
 The graph has an edge for every ``import`` of a ``niah`` module, at module level and inside functions alike (a lazy
 import still ties the two modules together), with relative imports resolved.  The one cycle allowed is the KV
@@ -164,13 +164,17 @@ def unexplained_lazy_imports(module: str) -> list[str]:
         if block is None:
             continue
         i = next(i for i, stmt in enumerate(block) if stmt is node)
-        while i and isinstance(block[i - 1], (ast.Import, ast.ImportFrom)):  # the first of its run of imports
+        run = set()  # the lines of the imports just before it in the same body
+        while i and isinstance(block[i - 1], (ast.Import, ast.ImportFrom)):
             i -= 1
-        above = block[i].lineno - 1
-        own = [comments.get(n, "") for n in range(node.lineno, node.end_lineno + 1)]
-        if lines[above - 1].lstrip().startswith("#"):
-            own.append(comments.get(above, ""))
-        if not any(REASON.search(c) for c in own):
+            run.update(range(block[i].lineno, block[i].end_lineno + 1))
+        said = [comments.get(n, "") for n in range(node.lineno, node.end_lineno + 1)]
+        above = node.lineno - 1
+        while above and (above in run or not lines[above - 1].strip()):
+            above -= 1
+        if above and lines[above - 1].lstrip().startswith("#"):
+            said.append(comments.get(above, ""))
+        if not any(REASON.search(c) for c in said):
             bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     return bad
 
