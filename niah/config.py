@@ -9,6 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -16,7 +17,7 @@ from .data.haystack import SOURCES, folder_files
 from .data.needles import NeedleSpec
 from .data.prompts import STYLES
 from .kv.registry import get_method
-from .schema import SECTIONS, Battery, Cluster, ConfigError, KVPerplexity, LlamaCpp, Niah, Sweep, Top, WeightQuant, check_types, filled
+from .schema import SECTIONS, Battery, Cluster, ConfigError, KVPerplexity, LlamaCpp, Niah, Section, Sweep, Top, WeightQuant
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
@@ -229,3 +230,69 @@ def config_hash(body: dict) -> str:
     does not change their rows)."""
     body = {k: v for k, v in body.items() if k not in ("hash", "cluster")}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def filled(name: str, given: dict | None) -> dict:
+    """Section ``name``'s settings: ``given`` over the defaults (a fresh copy; a mapping setting merged one level
+    deep).  Raises :class:`ConfigError` naming an unknown or ill-typed setting and the valid ones."""
+    cls = SECTIONS[name]
+    if not isinstance(given, dict):
+        raise ConfigError(f"{name} must be a mapping of settings; got {given!r}")
+    defaults = cls.defaults()
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown {name} setting(s) {unknown}; valid: {', '.join(sorted(defaults))}")
+    check_types(name, cls, given)
+    out = copy.deepcopy(defaults)
+    for k, v in given.items():
+        if isinstance(defaults[k], dict) and defaults[k]:  # an empty default mapping takes any keys (method_lengths)
+            bad = sorted(set(v) - set(defaults[k]))
+            if bad:
+                raise ConfigError(f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}")
+            out[k].update(v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+_KINDS = (
+    (bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"),
+    (dict, "a mapping"),
+)  # fmt: skip
+INT_MAX = 2**63 - 1  # torch's largest integer (int64)
+
+
+def check_types(where: str, cls: type[Section], given: dict) -> None:
+    """Every setting of ``given`` is of its default's kind (:func:`check_value`); ``where`` prefixes the names in
+    the messages (``""`` for top-level settings)."""
+    meta = cls.settings()
+    for key, value in given.items():
+        m = meta[key]
+        check_value(f"{where}.{key}" if where else key, m["default"], value, m["lowest"])
+
+
+def check_value(name: str, default: Any, value: Any, lowest: int = 1) -> None:
+    """``value`` is of ``default``'s kind: a number where the default is a float, never a bool where it is an int,
+    anything where it is None.  An integer setting is a count or a size from ``lowest`` to :data:`INT_MAX`, and a list
+    whose default holds integers (lengths, bits) is a non-empty list of such.  A mapping's known keys are checked
+    the same way, one level down.  Raises :class:`ConfigError` naming the setting, the kind it takes and what it got."""
+    if default is None:
+        return
+    kind, words = next((k, w) for k, w in _KINDS if isinstance(default, k))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{name} must be {words} (its default is {default!r}); got {value!r}")
+    if kind is int and not lowest <= value <= INT_MAX:
+        raise ConfigError(f"{name} must be an integer from {lowest} to 2**63 - 1 (torch's largest); got {value!r}")
+    if kind is list and default and all(type(x) is int for x in default):
+        if not value or not all(type(x) is int and 1 <= x <= INT_MAX for x in value):
+            raise ConfigError(
+                f"{name} must be a non-empty list of positive integers up to 2**63 - 1 (torch's largest); got {value!r}"
+            )
+    if kind is dict:
+        for k, v in value.items():
+            if k in default:
+                check_value(f"{name}.{k}", default[k], v)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import ROOT, Config, ConfigError, load_config
+from .config import ROOT, Config, ConfigError, filled, load_config
 from .models import _converted_folder
-from .schema import SCALE, SECTIONS, filled
+from .schema import SCALE, SECTIONS
 
 # The text architecture of hub models whose config.json this machine may not have (no network); field values from
 # each model's config.json on the hub.  Qwen3.5-35B-A3B's text model is transformers' Qwen3_5MoeTextConfig defaults.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .config import ROOT, Config
 from .results import ResultsTable, current_rows, read_rows
-from .schema import KVPPL, LLAMACPP, NEEDLES, SWEEP, WEIGHT_NEEDLES, WEIGHTS, hashed_settings
+from .schema import KVPPL, LLAMACPP, NEEDLES, SECTIONS, SWEEP, WEIGHT_NEEDLES, WEIGHTS, Top
 
 NEEDLE_KEY = ("config", "model", "prompt_style", "length", "depth", "trial", "method")
 
@@ -26,7 +26,7 @@ NEEDLE_KEY = ("config", "model", "prompt_style", "length", "depth", "trial", "me
 class TableKind:
     """A results table: its ``file``, the fields that identify a row, and the fields of an ``ok`` row that must not
     be NaN (a NaN one makes it an error row).  The settings its rows depend on are declared with each setting
-    (:func:`niah.schema.hashed_settings`)."""
+    (:func:`hashed_settings`)."""
 
     name: str
     file: str
@@ -60,6 +60,25 @@ TABLES = {
         TableKind(LLAMACPP, "llamacpp_results.jsonl", NEEDLE_KEY, ("answer_logprob", "kl_vs_ref")),
     )
 }
+
+
+def hashed_settings(table: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The settings (``section`` or ``section.key``) that the rows of ``table`` depend on, and those among them that
+    only choose which rows exist (left out of the table's hash), read from the declarations above."""
+    hashed, rows = [], []
+    for k, m in Top.settings().items():
+        if table in m["hashed_by"]:
+            hashed.append(k)
+    for name, cls in SECTIONS.items():
+        whole = table in cls.HASHED_BY
+        if whole:
+            hashed.append(name)
+        for k, m in cls.settings().items():
+            if table in m["hashed_by"] and not whole:
+                hashed.append(f"{name}.{k}")
+            if table in m["rows"] and whole:
+                rows.append(f"{name}.{k}")
+    return tuple(hashed), tuple(rows)
 
 
 def _kind(kind: str) -> TableKind:

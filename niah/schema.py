@@ -2,10 +2,10 @@
 a dry run shrinks it.
 
 A section is a frozen dataclass whose fields are made by :func:`setting`; :func:`niah.config.load_config` fills it
-from the YAML (:func:`filled`), checks it (:func:`check_types`, then the section's ``resolved``, which adds the
-checks and derived values that need more than one setting) and hands it out as ``cfg.<section>``.  Adding a setting
-is one :func:`setting` line here (and the YAMLs that set it): the table hashes (:func:`hashed_settings`) and the
-dry run (:func:`niah.dryrun.dry_config`) read its declaration.
+from the YAML (:func:`niah.config.filled`), checks each setting against its default's kind, then calls the
+section's ``resolved`` (the checks and derived values that need more than one setting) and hands it out as
+``cfg.<section>``.  Adding a setting is one :func:`setting` line here (and the YAMLs that set it): the table hashes
+(:func:`niah.rundir.hashed_settings`) and the dry run (:func:`niah.dryrun.dry_config`) read its declaration.
 """
 
 from __future__ import annotations
@@ -356,88 +356,3 @@ SECTIONS = {s.NAME: s for s in (Niah, Battery, Sweep, KVPerplexity, LlamaCpp, We
 
 def _reference_first(ref: str, methods: list[str]) -> list[str]:
     return [ref, *(m for m in methods if m != ref)]
-
-
-def filled(name: str, given: dict | None) -> dict:
-    """Section ``name``'s settings: ``given`` over the defaults (a fresh copy; a mapping setting merged one level
-    deep).  Raises :class:`ConfigError` naming an unknown or ill-typed setting and the valid ones."""
-    cls = SECTIONS[name]
-    if not isinstance(given, dict):
-        raise ConfigError(f"{name} must be a mapping of settings; got {given!r}")
-    defaults = cls.defaults()
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ConfigError(f"unknown {name} setting(s) {unknown}; valid: {', '.join(sorted(defaults))}")
-    check_types(name, cls, given)
-    out = copy.deepcopy(defaults)
-    for k, v in given.items():
-        if isinstance(defaults[k], dict) and defaults[k]:  # an empty default mapping takes any keys (method_lengths)
-            bad = sorted(set(v) - set(defaults[k]))
-            if bad:
-                raise ConfigError(f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}")
-            out[k].update(v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-_KINDS = (
-    (bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"),
-    (dict, "a mapping"),
-)  # fmt: skip
-INT_MAX = 2**63 - 1  # torch's largest integer (int64)
-
-
-def check_types(where: str, cls: type[Section], given: dict) -> None:
-    """Every setting of ``given`` is of its default's kind (:func:`check_value`); ``where`` prefixes the names in
-    the messages (``""`` for top-level settings)."""
-    meta = cls.settings()
-    for key, value in given.items():
-        m = meta[key]
-        check_value(f"{where}.{key}" if where else key, m["default"], value, m["lowest"])
-
-
-def check_value(name: str, default: Any, value: Any, lowest: int = 1) -> None:
-    """``value`` is of ``default``'s kind: a number where the default is a float, never a bool where it is an int,
-    anything where it is None.  An integer setting is a count or a size from ``lowest`` to :data:`INT_MAX`, and a list
-    whose default holds integers (lengths, bits) is a non-empty list of such.  A mapping's known keys are checked
-    the same way, one level down.  Raises :class:`ConfigError` naming the setting, the kind it takes and what it got."""
-    if default is None:
-        return
-    kind, words = next((k, w) for k, w in _KINDS if isinstance(default, k))
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"{name} must be {words} (its default is {default!r}); got {value!r}")
-    if kind is int and not lowest <= value <= INT_MAX:
-        raise ConfigError(f"{name} must be an integer from {lowest} to 2**63 - 1 (torch's largest); got {value!r}")
-    if kind is list and default and all(type(x) is int for x in default):
-        if not value or not all(type(x) is int and 1 <= x <= INT_MAX for x in value):
-            raise ConfigError(
-                f"{name} must be a non-empty list of positive integers up to 2**63 - 1 (torch's largest); got {value!r}"
-            )
-    if kind is dict:
-        for k, v in value.items():
-            if k in default:
-                check_value(f"{name}.{k}", default[k], v)
-
-
-def hashed_settings(table: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The settings (``section`` or ``section.key``) that the rows of ``table`` depend on, and those among them that
-    only choose which rows exist (left out of the table's hash), read from the declarations above."""
-    hashed, rows = [], []
-    for k, m in Top.settings().items():
-        if table in m["hashed_by"]:
-            hashed.append(k)
-    for name, cls in SECTIONS.items():
-        whole = table in cls.HASHED_BY
-        if whole:
-            hashed.append(name)
-        for k, m in cls.settings().items():
-            if table in m["hashed_by"] and not whole:
-                hashed.append(f"{name}.{k}")
-            if table in m["rows"] and whole:
-                rows.append(f"{name}.{k}")
-    return tuple(hashed), tuple(rows)
