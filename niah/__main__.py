@@ -1,4 +1,5 @@
-"""Command line: ``python -m niah {run,reproduce,report,report-check,summary,repair,bench,env}``; see ``python -m niah -h``."""
+"""Command line: ``python -m niah {run,reproduce,report,report-check,summary,repair,bench,env}``; see
+``python -m niah -h``."""
 
 from __future__ import annotations
 
@@ -21,28 +22,42 @@ if TYPE_CHECKING:  # the CLI imports torch-heavy modules only for the command it
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="niah", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("run", help="run (or resume) a config's needle questions (its battery, else its grid) without Jupyter")
+    p = sub.add_parser(
+        "run", help="run (or resume) a config's needle questions (its battery, else its grid) without Jupyter"
+    )
     p.add_argument("--config", default="cpu")
     p.add_argument("--methods", nargs="+", help="override the methods of the battery (or of niah: where there is none)")
     p.add_argument("--lengths", nargs="+", type=int, help="override the lengths of the battery (or of niah)")
-    p.add_argument("--cluster", metavar="ADDRESS", help="run the battery on Ray: local, auto or ray://host:10001 (pip install -e '.[ray]')")
+    p.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="run the battery on Ray: local, auto or ray://host:10001 (pip install -e '.[ray]')",
+    )
     p = sub.add_parser("reproduce", help="execute the notebook chain with papermill")
     p.add_argument("--config", default="cpu")
     p.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 03")
     p.add_argument("--cluster", metavar="ADDRESS", help="notebook 03's battery on Ray: local, auto or ray://host:10001")
     p.add_argument(
-        "--dry-run", action="store_true", help="the config's whole chain on the CPU with a tiny random model of its architecture"
+        "--dry-run",
+        action="store_true",
+        help="the config's whole chain on the CPU with a tiny random model of its architecture",
     )
     p = sub.add_parser("gpu-check", help="the sweep of random Qwen3.5-35B-A3B at 4K and 16K on a GPU (make gpu-check)")
-    p.add_argument("--dry-run", action="store_true", help="the same script on the CPU with a tiny model of the architecture")
+    p.add_argument(
+        "--dry-run", action="store_true", help="the same script on the CPU with a tiny model of the architecture"
+    )
     p = sub.add_parser("report", help="export the executed chain as one HTML report")
     p.add_argument("--config", default="cpu")
-    p = sub.add_parser("report-check", help="render the HTML report in headless Chromium and check its figures and ledger")
+    p = sub.add_parser(
+        "report-check", help="render the HTML report in headless Chromium and check its figures and ledger"
+    )
     p.add_argument("--config", default="cpu")
     sub.add_parser("env", help="print the environment record")
     p = sub.add_parser("summary", help="print a run's headline results as Markdown")
     p.add_argument("--config", default="cpu")
-    p.add_argument("--write", action="store_true", help="write results/<name>/summary.md and the README's results block")
+    p.add_argument(
+        "--write", action="store_true", help="write results/<name>/summary.md and the README's results block"
+    )
     p = sub.add_parser("repair", help="keep the intact rows of a damaged results file and move the rest aside")
     p.add_argument("path")
     p = sub.add_parser("bench", help="speed benchmarks, printed as ratios measured in one run")
@@ -128,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"niah: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\nniah: interrupted. Every row written so far is kept: run the same command again to resume.", file=sys.stderr)
+        print(
+            "\nniah: interrupted. Every row written so far is kept: run the same command again to resume.",
+            file=sys.stderr,
+        )
         return 130
     except OSError as err:  # a full disk, a read-only or unwritable folder: one line, never a traceback
         print(f"niah: error: {_os_problem(err)}", file=sys.stderr)
@@ -141,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, PapermillExecutionError):
             raise
         print(f"niah: error: a notebook failed at cell {err.exec_count}: {err.ename}: {err.evalue}", file=sys.stderr)
-        print("niah: the executed notebook, up to that cell, is in the run folder; rows written are kept", file=sys.stderr)
+        print(
+            "niah: the executed notebook, up to that cell, is in the run folder; rows written are kept", file=sys.stderr
+        )
         return 1
     return 0
 
@@ -162,7 +182,8 @@ def _os_problem(err: OSError) -> str:
 
 
 def _record_environment(cfg: Config) -> None:
-    """Write the machine's record into the config's run folder, as notebook 00 does (``summary`` names the machine from it)."""
+    """Write the machine's record into the config's run folder, as notebook 00 does (``summary`` names the machine
+    from it)."""
     # heavy: torch, for the commands that run a model only
     from .env import environment_record
     from .notebook import save_json
@@ -181,7 +202,10 @@ def _report_statuses(cfg: Config) -> None:
     counts = rows["status"].value_counts().to_dict() if len(rows) else {}
     print("rows: " + (", ".join(f"{n} {s}" for s, n in counts.items()) or "none"))
     if len(rows) and not counts.get("ok"):
-        print(f"niah: warning: no row was scored; every one is {' or '.join(counts)}: {rows['reason'].iloc[0]}", file=sys.stderr)
+        print(
+            f"niah: warning: no row was scored; every one is {' or '.join(counts)}: {rows['reason'].iloc[0]}",
+            file=sys.stderr,
+        )
 
 
 def _summary(config: str, write: bool) -> None:
@@ -208,7 +232,10 @@ def _bench_kv(args) -> None:
 
     torch.set_num_threads(args.threads)
     methods = args.methods or [m for m in available() if m != "fp16"]
-    print(f"# KV codecs on a (1, 3, {args.tokens}, 64) fp32 tensor, {args.threads} thread(s); ratios to a plain copy in this run")
+    print(
+        f"# KV codecs on a (1, 3, {args.tokens}, 64) fp32 tensor, {args.threads} thread(s); "
+        "ratios to a plain copy in this run"
+    )
     print(bench.codec_throughput(methods, args.tokens).round(3).to_string(index=False))
     print(f"\n# one decode step's attention over {args.tokens} cached tokens (3 KV heads, 9 query heads, d=64)")
     print(bench.decode_attention(methods, args.tokens).round(3).to_string(index=False))

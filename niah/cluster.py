@@ -1,16 +1,13 @@
 """Scale one config's independent cells out on Ray, with the driver as the only writer of its results tables.
 
-A config with a ``cluster:`` section (or a run given ``--cluster ADDRESS``, which sets :data:`niah.config.CLUSTER_ENV`) hands its
-units of work to Ray actors: the needle battery (a unit is one (context, length) of single-needle prompts, or one
-multi-key context, each sharing one prefill), perplexity through the cache (a window) and the sweep (a length
-and method).  Each actor loads the config's model once, on one GPU, on CPU threads, or spread over
-``gpus_per_worker`` GPUs.  The driver plans the units from the rows still missing, sends the longest first, and
-appends each unit's rows as they come back through ``ray.wait``, so the table's resume, lock and settings hash
-work as in one process.  A unit whose worker dies is sent once more, to another worker; a killed driver
-reruns, on resume, only the units whose rows it had not written.
-
-Ray is an optional extra (``pip install -e .[ray]``) and is imported only here, only when a cluster is asked
-for.  Ray 2.54 dropped local mode, so a machine without a cluster gets a real local one (``ray.init``).
+A config with a ``cluster:`` section (or a run given ``--cluster ADDRESS``, which sets
+:data:`niah.config.CLUSTER_ENV`) hands its units of work to Ray actors: the needle battery (one prefill's worth of
+questions), perplexity through the cache (a window) and the sweep (a length and method).  Each actor loads the
+config's model once, on one GPU, on CPU threads, or spread over ``gpus_per_worker`` GPUs.  The driver plans the
+units from the rows still missing, sends the longest first, and appends each unit's rows as they come back, so the
+table's resume, lock and settings hash work as in one process.  A unit whose worker dies is sent once more, to
+another worker.  Ray is an optional extra (``pip install -e .[ray]``), imported only here and only when a cluster
+is asked for; a machine without a cluster gets a local one.  See docs/design-notes.md#niah.cluster.
 """
 
 from __future__ import annotations
@@ -91,7 +88,9 @@ class Pool:
                         log_to_driver=False,
                     )
             except (ConnectionError, RuntimeError, ValueError) as err:
-                raise ClusterError(f"could not reach the Ray cluster at {s['address'] or 'a new local cluster'}: {err}") from None
+                raise ClusterError(
+                    f"could not reach the Ray cluster at {s['address'] or 'a new local cluster'}: {err}"
+                ) from None
         actor = ray.remote(_Worker)
         host = socket.gethostname()
         self.actors = [
@@ -138,7 +137,9 @@ class Pool:
                 self.actors.remove(worker)
                 deaths[id(unit)] = deaths.get(id(unit), 0) + 1
                 if deaths[id(unit)] > 1:
-                    raise ClusterError(f"{unit.name}: its worker died twice (last: {str(err).splitlines()[0]}); rerun to resume") from None
+                    raise ClusterError(
+                        f"{unit.name}: its worker died twice (last: {str(err).splitlines()[0]}); rerun to resume"
+                    ) from None
                 queue.insert(0, unit)
                 continue
             idle.append(worker)

@@ -17,11 +17,24 @@ from .data.haystack import SOURCES, folder_files
 from .data.needles import NeedleSpec
 from .data.prompts import STYLES
 from .kv.registry import get_method
-from .schema import SECTIONS, Battery, Cluster, ConfigError, KVPerplexity, LlamaCpp, Niah, Section, Sweep, Top, WeightQuant
+from .schema import (
+    SECTIONS,
+    Battery,
+    Cluster,
+    ConfigError,
+    KVPerplexity,
+    LlamaCpp,
+    Niah,
+    Section,
+    Sweep,
+    Top,
+    WeightQuant,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
-CLUSTER_ENV = "NIAH_CLUSTER"  # a cluster address for every run of this process and its notebooks: local, auto, ray://...
+# a cluster address for every run of this process and its notebooks: local, auto, ray://...
+CLUSTER_ENV = "NIAH_CLUSTER"
 
 REQUIRED = ("name", "model")
 # the keys a ``model:`` spec may hold, by source (see niah.models), besides the ones every source takes
@@ -51,7 +64,8 @@ MAX_NODES = 100_000  # YAML nodes a config may hold with its aliases expanded; t
 
 
 def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """How many nodes ``node`` stands for with every alias inside it written out (``sizes``: the ones counted so far)."""
+    """How many nodes ``node`` stands for with every alias inside it written out (``sizes``: the ones counted so
+    far)."""
     if id(node) not in sizes:
         sizes[id(node)] = MAX_NODES + 1  # a node met again while it is still being counted is a cycle: too many
         if isinstance(node, yaml.MappingNode):
@@ -71,8 +85,9 @@ class _Loader(yaml.SafeLoader):
         size = _expanded(node, {})
         if size > MAX_NODES:
             raise ConfigError(
-                f"its YAML anchors and aliases (&name, *name) expand to {size:,} values, more than the {MAX_NODES:,} a config "
-                "may hold (an alias bomb?); write the settings out, or use fewer aliases"
+                f"its YAML anchors and aliases (&name, *name) expand to {size:,} values, "
+                f"more than the {MAX_NODES:,} a config may hold (an alias bomb?); "
+                "write the settings out, or use fewer aliases"
             )
         return super().construct_document(node)
 
@@ -141,16 +156,19 @@ def _resolve(raw: dict, where: str) -> Config:
         raise ConfigError(f"missing required setting(s) {', '.join(missing)}")
     unknown = sorted(set(raw) - {*Top.settings(), *SECTIONS})
     if unknown:
-        raise ConfigError(f"unknown setting {unknown[0]!r}; valid settings here: {', '.join(sorted({*Top.settings(), *SECTIONS}))}")
+        raise ConfigError(
+            f"unknown setting {unknown[0]!r}; valid settings here: {', '.join(sorted({*Top.settings(), *SECTIONS}))}"
+        )
     top = {**Top.defaults(), **{k: copy.deepcopy(v) for k, v in raw.items() if k in Top.settings()}}
     check_types("", Top, {k: top[k] for k in ("device", "threads", "seed", "haystack", "haystack_folder")})
     name = top["name"]
     if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise ConfigError(
-            f"name must be one folder name of letters, digits, '.', '_' or '-' (it names papermill_runs/<name>/); got {name!r}"
+            "name must be one folder name of letters, digits, '.', '_' or '-' (it names papermill_runs/<name>/); "
+            f"got {name!r}"
         )
     for key in ("model", "weight_model"):
-        if top[key] is not None or key == "model":
+        if top[key] is not None or key == "model":  # weight_model may be left out, model may not
             check_model(top[key], key)
     niah = _niah(raw.get("niah", {}))
     _check_haystack(top["haystack"], top["haystack_folder"])
@@ -179,10 +197,14 @@ def _niah(given) -> Niah:
         raise ConfigError(f"niah must be a mapping of settings; got {given!r}")
     unknown = sorted(set(given) - set(Niah.settings()))
     if unknown:
-        raise ConfigError(f"unknown setting niah.{unknown[0]!r}; valid settings here: {', '.join(sorted(Niah.settings()))}")
+        raise ConfigError(
+            f"unknown setting niah.{unknown[0]!r}; valid settings here: {', '.join(sorted(Niah.settings()))}"
+        )
     n = Niah(present=True, **filled("niah", given))
     if any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0 for d in n.depths):
-        raise ConfigError(f"niah.depths must be numbers in [0, 1] (0 = start of the context, 1 = its end); got {n.depths}")
+        raise ConfigError(
+            f"niah.depths must be numbers in [0, 1] (0 = start of the context, 1 = its end); got {n.depths}"
+        )
     bad = [s for s in n.prompt_styles if s not in STYLES]
     if bad:
         raise ConfigError(f"unknown prompt style(s) {bad}; choose from {list(STYLES)}")
@@ -195,21 +217,26 @@ def _niah(given) -> Niah:
 def check_model(spec, where: str) -> None:
     """A ``model:`` spec names a known source and only the keys that source reads."""
     if not isinstance(spec, dict):
-        raise ConfigError(f"{where} must be a mapping such as {{source: package, package: ..., file: ..., sha256: ...}}")
+        raise ConfigError(
+            f"{where} must be a mapping such as {{source: package, package: ..., file: ..., sha256: ...}}"
+        )
     source = spec.get("source")
     if source not in MODEL_KEYS:
         raise ConfigError(f"{where}: unknown model source {source!r}; choose one of {', '.join(MODEL_KEYS)}")
     valid = {*MODEL_KEYS[source], *MODEL_OPTIONAL}
     unknown = sorted(set(spec) - valid)
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {unknown} for source {source}; valid: {', '.join(sorted(valid))}")
+        raise ConfigError(
+            f"{where}: unknown setting(s) {unknown} for source {source}; valid: {', '.join(sorted(valid))}"
+        )
     missing = [k for k in MODEL_KEYS[source] if source != "random" and not spec.get(k)]
     if missing:
         raise ConfigError(f"{where}: source {source} needs {', '.join(missing)}")
     rope = spec.get("rope_scaling")
     if rope is not None and not (isinstance(rope, dict) and "rope_type" in rope):
         raise ConfigError(
-            f"{where}: rope_scaling must be a mapping with rope_type, e.g. {{rope_type: yarn, factor: 2.0}}; got {rope!r}"
+            f"{where}: rope_scaling must be a mapping with rope_type, e.g. {{rope_type: yarn, factor: 2.0}}; "
+            f"got {rope!r}"
         )
 
 
@@ -248,7 +275,9 @@ def filled(name: str, given: dict | None) -> dict:
         if isinstance(defaults[k], dict) and defaults[k]:  # an empty default mapping takes any keys (method_lengths)
             bad = sorted(set(v) - set(defaults[k]))
             if bad:
-                raise ConfigError(f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}")
+                raise ConfigError(
+                    f"unknown {name} setting(s) {name}.{k}.{bad}; valid: {', '.join(sorted(defaults[k]))}"
+                )
             out[k].update(v)
         else:
             out[k] = copy.deepcopy(v)

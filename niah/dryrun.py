@@ -61,8 +61,18 @@ NARROW = {
     "linear_key_head_dim": 32,
     "linear_value_head_dim": 32,
 }
-BYTE_VOCAB = {"vocab_size": 258, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": None}  # niah.tokenizer.ByteTokenizer
-DROPPED_KEYS = {"transformers_version", "architectures", "_name_or_path", "model_type", "id2label", "label2id", "dtype", "torch_dtype"}
+# niah.tokenizer.ByteTokenizer
+BYTE_VOCAB = {"vocab_size": 258, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": None}
+DROPPED_KEYS = {
+    "transformers_version",
+    "architectures",
+    "_name_or_path",
+    "model_type",
+    "id2label",
+    "label2id",
+    "dtype",
+    "torch_dtype",
+}
 DROPPED_KEYS |= {"auto_map", "quantization_config", "_sliding_window_pattern", "output_hidden_states", "return_dict"}
 
 
@@ -94,7 +104,9 @@ def full_architecture(spec: dict):
 
 def pattern_period(layer_types: list[str]) -> int:
     """The shortest p with ``layer_types[i] == layer_types[i % p]`` for every i (1 for a uniform stack)."""
-    return next(p for p in range(1, len(layer_types) + 1) if all(t == layer_types[i % p] for i, t in enumerate(layer_types)))
+    return next(
+        p for p in range(1, len(layer_types) + 1) if all(t == layer_types[i % p] for i, t in enumerate(layer_types))
+    )
 
 
 def tiny_spec(spec: dict) -> dict:
@@ -115,7 +127,13 @@ def tiny_spec(spec: dict) -> dict:
         fields["head_dim"] = full.hidden_size // full.num_attention_heads
     if every.get("sliding_window"):
         fields["sliding_window"] = max(16, every["sliding_window"] // SCALE)
-    out = {"source": "random", "architecture": full.model_type, "seed": 0, "dtype": spec.get("dtype", "float32"), "config": fields}
+    out = {
+        "source": "random",
+        "architecture": full.model_type,
+        "seed": 0,
+        "dtype": spec.get("dtype", "float32"),
+        "config": fields,
+    }
     if spec.get("rope_scaling"):
         out["rope_scaling"] = spec["rope_scaling"]
     return out
@@ -141,7 +159,8 @@ def dry_config(cfg: Config) -> tuple[dict, list[str]]:
     dry = {"name": f"{cfg.name}-dry"}
     dry |= {k: copy.deepcopy(v) for k, v in cfg.raw.items() if k != "name"}
     dry["description"] = (
-        f"Dry run of {cfg.name} on the CPU (niah.dryrun): a tiny random model of its architecture; its answers mean nothing."
+        f"Dry run of {cfg.name} on the CPU (niah.dryrun): a tiny random model of its architecture; "
+        "its answers mean nothing."
     )
     dry["device"] = "cpu"
     dry["threads"] = min(int(cfg.threads), os.cpu_count() or 1)

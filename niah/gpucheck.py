@@ -51,12 +51,17 @@ def device_map_check(lm) -> str:
     gpus = torch.cuda.device_count()
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(lm.model.config, dtype=next(lm.model.parameters()).dtype)
-    where = spread_map(
-        skeleton, gpus, budget=torch.cuda.get_device_properties(0).total_memory
-    )  # the model is loaded: free memory would not hold it twice
+    # the model is loaded: free memory would not hold it twice
+    where = spread_map(skeleton, gpus, budget=torch.cuda.get_device_properties(0).total_memory)
     layers = [f"model.layers.{i}" for i in range(skeleton.config.num_hidden_layers)]
-    per_gpu = pd.Series([where[max((k for k in where if _holds(k, name)), key=len)] for name in layers]).value_counts().sort_index()
-    return f"device map over {gpus} GPU(s): " + ", ".join(f"GPU {i} holds {n} decoder layers" for i, n in per_gpu.items())
+    per_gpu = (
+        pd.Series([where[max((k for k in where if _holds(k, name)), key=len)] for name in layers])
+        .value_counts()
+        .sort_index()
+    )
+    return f"device map over {gpus} GPU(s): " + ", ".join(
+        f"GPU {i} holds {n} decoder layers" for i, n in per_gpu.items()
+    )
 
 
 def _holds(key: str, module: str) -> bool:
@@ -103,13 +108,16 @@ def gpu_check(dry_run: bool = False, run_root: Path | None = None) -> Path:
     table = summary_table(rows)
     readers = sorted(set(rows["trace_source"].dropna()))
     paths.append(f"memory sampling: {', '.join(readers)}")
-    paths.append("timing: torch.cuda.synchronize after every decode step" if cuda else "timing: CPU wall clock (dry run)")
+    paths.append(
+        "timing: torch.cuda.synchronize after every decode step" if cuda else "timing: CPU wall clock (dry run)"
+    )
     failed = rows[rows["status"] != "ok"]
     text = "\n".join(
         [
             f"# gpu-check{' (dry run on the CPU: the numbers mean nothing)' if dry_run else ''}",
             "",
-            f"Model {lm.name} ({cfg.model['dtype']}), made in {load_s:.0f} s; machine: {machine_line(env)}; commit {env['git_commit']}.",
+            f"Model {lm.name} ({cfg.model['dtype']}), made in {load_s:.0f} s; "
+            f"machine: {machine_line(env)}; commit {env['git_commit']}.",
             "",
             *(f"- {p}" for p in paths),
             f"- rows not ok: {len(failed)}" + (f" ({', '.join(sorted(set(failed['status'])))})" if len(failed) else ""),

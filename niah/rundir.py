@@ -145,7 +145,10 @@ def load_table(cfg: Config, kind: str, path: str | Path):
     chosen = selection(cfg, kind) if rows else {}
     kept = [r for r in rows if _selected(r, chosen)]
     if len(kept) < len(rows):
-        notes.append(f"{len(rows) - len(kept)} rows of methods or lengths this config no longer selects left out (they stay in the file)")
+        notes.append(
+            f"{len(rows) - len(kept)} rows of methods or lengths this config no longer selects left out "
+            "(they stay in the file)"
+        )
     for note in notes:
         warnings.warn(f"{path}: {note}", stacklevel=2)
     return pd.DataFrame(kept)

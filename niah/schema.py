@@ -19,7 +19,8 @@ from .kv.registry import get_method, with_modifier
 
 
 class ConfigError(ValueError):
-    """A config file is missing, malformed or asks for something impossible; the message says which and how to fix it."""
+    """A config file is missing, malformed or asks for something impossible; the message says which and how to fix
+    it."""
 
 
 # The result tables (niah.rundir.TABLES).  A table's settings hash covers the settings its rows depend on.
@@ -128,8 +129,9 @@ class Niah(Section):
     reference: str = setting("fp16", hashed_by=(SWEEP, KVPPL))  # the method every other is paired against
     max_new_tokens: int = setting(12)  # greedy answer tokens at most
     prefill_chunk: int = setting(1024, hashed_by=(SWEEP, KVPPL), dry=shorter)  # tokens per prefill forward pass
-    # the prompt chunk of methods read in vLLM's engine mode (name@engine): vLLM 0.34.0's default max_num_batched_tokens
-    # on a >= 70 GiB GPU (H100, H200) with the LLM class (engine/arg_utils.py, get_batch_defaults); `vllm serve` uses 8192
+    # the prompt chunk of methods read in vLLM's engine mode (name@engine): vLLM 0.34.0's default
+    # max_num_batched_tokens on a >= 70 GiB GPU (H100, H200) with the LLM class (engine/arg_utils.py,
+    # get_batch_defaults); `vllm serve` uses 8192
     engine_chunk: int = setting(16384, hashed_by=(KVPPL,), dry=shorter)
 
 
@@ -222,7 +224,9 @@ class KVPerplexity(Section):
             )
         bad = [p for p in self.breakdown if p not in self.BREAKDOWN]
         if bad:
-            raise ConfigError(f"unknown kv_perplexity.breakdown part(s) {bad}; choose among {', '.join(self.BREAKDOWN)}")
+            raise ConfigError(
+                f"unknown kv_perplexity.breakdown part(s) {bad}; choose among {', '.join(self.BREAKDOWN)}"
+            )
         listed = [m for m in self.methods if m != niah.reference]
         of = listed if self.breakdown_methods is None else self.breakdown_methods
         if not set(of) <= set(listed):
@@ -235,7 +239,8 @@ class KVPerplexity(Section):
             layers = get_method(m).layers
             for part in self.breakdown:
                 if part in ("full", "sliding") and not (layers.full and layers.sliding):
-                    continue  # it codes one layer type only (vLLM's presets): +full is the method, +sliding codes nothing
+                    # it codes one layer type only (vLLM's presets): +full is the method, +sliding codes nothing
+                    continue
                 variant = with_modifier(m, part)
                 if variant and variant not in listed:
                     parts[variant] = (m, part)
@@ -252,7 +257,8 @@ class LlamaCpp(Section):
     lengths: list[int] = setting(None)  # battery lengths to ask at; None: the battery's shortest
     contexts: int = setting(1)  # the battery's first contexts
     kv: list[str] = setting(["f16", "q8_0", "q4_0"], rows=(LLAMACPP,))  # llama.cpp cache types (f16: the reference)
-    rotation: list[bool] = setting([True, False], rows=(LLAMACPP,))  # quantized types with the Hadamard rotation and not
+    # quantized types with the Hadamard rotation and not
+    rotation: list[bool] = setting([True, False], rows=(LLAMACPP,))
 
     def resolved(self, battery: Battery) -> LlamaCpp:
         lengths = self.lengths or battery.lengths[:1]
@@ -265,7 +271,9 @@ class LlamaCpp(Section):
         if bad:
             raise ConfigError(f"unknown llama.cpp cache type(s) {bad}; choose from {', '.join(self.KV_TYPES)}")
         if "f16" not in self.kv:
-            raise ConfigError("llamacpp.kv must include f16: it is the reference the other cache types are compared with")
+            raise ConfigError(
+                "llamacpp.kv must include f16: it is the reference the other cache types are compared with"
+            )
         return replace(self, lengths=lengths)
 
 
@@ -292,7 +300,8 @@ class WeightQuant(Section):
         {"iters": 10, "samples": 8, "seqlen": 128, "batch_size": 8, "amp": False},
         dry=each({"iters": at_most(2), "samples": at_most(4), "seqlen": at_most(64), "batch_size": at_most(4)}),
     )
-    # W4A16 on the first `blocks` decoder layers: RTN, AutoRound at `autoround.iters` and at `iters` (auto-round's default)
+    # W4A16 on the first `blocks` decoder layers: RTN, AutoRound at `autoround.iters` and at `iters`
+    # (auto-round's default)
     autoround_check: dict = setting({"blocks": 2, "iters": 200}, dry=each({"blocks": at_most(1), "iters": at_most(4)}))
     outlier_share: float = setting(0.01)  # W4A8: input channels kept in int8 weights (S3-2)
     salient_share: float = setting(0.01)  # AWQ's experiment: input channels kept in fp16 (S3-5)
@@ -302,14 +311,14 @@ class WeightQuant(Section):
     # the weights x KV cells: the battery's questions at these lengths (niah.weightquant.needle)
     needle_lengths: list[int] = setting([4096], rows=(WEIGHT_NEEDLES,), dry=shorter_all)
     # contexts / needles None: the battery's (a different number asks other questions than notebook 03's)
-    needle: dict = setting({"contexts": None, "needles": None}, dry=each({"contexts": at_most(1), "needles": at_most(2)}))
+    needle: dict = setting(
+        {"contexts": None, "needles": None}, dry=each({"contexts": at_most(1), "needles": at_most(2)})
+    )
     # keys of schemes_01 with needle cells
     needle_schemes: list[str] = setting(
         ["fp32", "w8a8_sym", "w4a16_ar", "w4a8", "w4a8_outliers"], rows=(WEIGHT_NEEDLES,)
     )
-    kv_methods: list[str] = setting(
-        ["fp16", "q8_0", "q4_0", "turboquant_k8v4@engine"], rows=(WEIGHTS, WEIGHT_NEEDLES)
-    )
+    kv_methods: list[str] = setting(["fp16", "q8_0", "q4_0", "turboquant_k8v4@engine"], rows=(WEIGHTS, WEIGHT_NEEDLES))
     generate_tokens: int = setting(300, dry=at_most(32))  # greedy tokens per scheme for the repetition check
     prompt_tokens: int = setting(32)
 
@@ -330,7 +339,8 @@ class Cluster(Section):
     NAME = "cluster"
     ENGINES: ClassVar[tuple[str, ...]] = ("ray",)
     engine: str = setting("ray")
-    address: str = setting(None)  # None: a local cluster started by the run; "auto": the running one; "ray://host:10001"
+    # None: a local cluster started by the run; "auto": the running one; "ray://host:10001"
+    address: str = setting(None)
     workers: int = setting(2)  # Ray actors, each with one copy of the model
     gpus_per_worker: int = setting(0, lowest=0)  # GPUs per actor (1: one model per GPU; more: spread with device_map)
     cpus_per_worker: int = setting(1)  # CPUs per actor, and its torch threads

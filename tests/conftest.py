@@ -25,7 +25,8 @@ def tiny(smoke_cfg):
 
 @pytest.fixture
 def killed_after(monkeypatch):
-    """``killed_after(n)``: the results table dies (KeyboardInterrupt) on its (n+1)-th append; ``.revive()`` undoes it."""
+    """``killed_after(n)``: the results table dies (KeyboardInterrupt) on its (n+1)-th append; ``.revive()`` undoes
+    it."""
     from niah.results import ResultsTable
 
     real = ResultsTable.append

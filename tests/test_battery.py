@@ -25,7 +25,9 @@ def test_a_nested_context_holds_every_lengths_needles_inside_its_prefix(tiny):
     assert len(ids) == 2048 and len(questions) == 9
     assert len({q.key for q in questions}) == 9
     for q in questions:
-        needle = tiny.tokenizer.encode(f" One of the special magic numbers for {q.key} is: {q.value}.", add_special_tokens=False)
+        needle = tiny.tokenizer.encode(
+            f" One of the special magic numbers for {q.key} is: {q.value}.", add_special_tokens=False
+        )
         assert ids[q.position : q.position + len(needle)] == needle
         assert q.position + len(needle) <= q.length, "a needle must lie wholly inside its length's prefix"
         assert not any(q.position < b < q.position + len(needle) for b in lengths), "no prefix ends inside a needle"
@@ -40,7 +42,14 @@ def test_a_nested_context_holds_every_lengths_needles_inside_its_prefix(tiny):
 
 
 def _battery_cfg(smoke_with, **settings):
-    settings = {"lengths": [512, 1024], "contexts": 2, "needles": 2, "methods": ["fp16", "q8_0", "turbo3"], "mode": "multi_key", **settings}
+    settings = {
+        "lengths": [512, 1024],
+        "contexts": 2,
+        "needles": 2,
+        "methods": ["fp16", "q8_0", "turbo3"],
+        "mode": "multi_key",
+        **settings,
+    }
     return smoke_with("battery", **settings)
 
 
@@ -56,7 +65,9 @@ def test_every_question_gets_a_row_per_method_and_a_killed_run_resumes(tmp_path,
     df = _frame(path)
     assert len(df) == 2 * 2 * 2 * 3 and (df["status"] == "ok").all()
     assert not df.duplicated(["length", "depth", "trial", "method"]).any()
-    assert (df[df["method"] == "fp16"]["kl_vs_ref"] == 0).all() and (df[df["method"] == "turbo3"]["kl_vs_ref"] > 0).all()
+    assert (df[df["method"] == "fp16"]["kl_vs_ref"] == 0).all() and (
+        df[df["method"] == "turbo3"]["kl_vs_ref"] > 0
+    ).all()
     table = paired_table(df).set_index(["method", "length"])
     assert (table["n"] == 4).all()
     assert table.loc[("fp16", 1024), "p"] == 1.0 and table.loc[("fp16", 1024), "logprob_diff"] == 0
@@ -71,7 +82,9 @@ def test_separate_contexts_hold_only_their_own_lengths_needles(tmp_path, smoke_w
     assert set(df["needle_key"]) != set(nested["needle_key"])  # other contexts, other keys
 
 
-@pytest.mark.parametrize("mode", ["multi_key", "single"])  # single: a shared prefix cropped back, or restarted (linear layers)
+@pytest.mark.parametrize(
+    "mode", ["multi_key", "single"]
+)  # single: a shared prefix cropped back, or restarted (linear layers)
 def test_a_hybrid_model_runs_the_battery_and_reports_bytes_per_layer_type(tmp_path, smoke_with, hybrid, mode):
     cfg = _battery_cfg(smoke_with, methods=["fp16", "q4_0"], mode=mode)
     df = _frame(run_battery(cfg, hybrid, tmp_path / "h.jsonl", progress=False))
@@ -126,13 +139,21 @@ def test_bad_battery_settings_and_windows_longer_than_the_context_say_so(tmp_pat
     with pytest.raises(ValueError, match="unknown battery depths 'middle'"):
         _battery_cfg(smoke_with, depths="middle").battery
     with pytest.raises(ValueError, match="do not fit"):
-        build_context(hybrid.tokenizer, tokenize_haystack(haystack_text("pydoc"), hybrid.tokenizer, 3000), [256], 6, random.Random(0))
+        build_context(
+            hybrid.tokenizer,
+            tokenize_haystack(haystack_text("pydoc"), hybrid.tokenizer, 3000),
+            [256],
+            6,
+            random.Random(0),
+        )
     if hybrid.model.config.model_type == "gemma3_text":
         with pytest.raises(UnsupportedLayout, match="sliding window"):
             run_battery(_battery_cfg(smoke_with, lengths=[8, 512]), hybrid, tmp_path / "x.jsonl", progress=False)
 
 
-def test_a_method_asked_at_some_lengths_only_gets_rows_there_and_keeps_the_hashes(smoke_with, smoke_cfg, tiny, tmp_path):
+def test_a_method_asked_at_some_lengths_only_gets_rows_there_and_keeps_the_hashes(
+    smoke_with, smoke_cfg, tiny, tmp_path
+):
     """``battery.method_lengths`` (one declaration in niah.schema): the method's rows exist at its lengths only, the
     reference and the other methods answer everywhere, the table's settings hash is unchanged (the setting only
     chooses rows), a dry run shrinks its lengths, and a length outside the battery is refused at load."""
@@ -143,7 +164,9 @@ def test_a_method_asked_at_some_lengths_only_gets_rows_there_and_keeps_the_hashe
     rows = read_rows(run_battery(cfg, tiny, tmp_path / "b.jsonl", progress=False))
     asked = {(r["method"], r["length"]) for r in rows}
     assert asked == {("fp16", 512), ("fp16", 1024), ("q8_0", 512), ("q8_0", 1024), ("q4_0", 1024)}
-    assert settings_hash(cfg, "needles") == settings_hash(smoke_with("battery", methods=["fp16", "q8_0", "q4_0"], needles=1), "needles")
+    assert settings_hash(cfg, "needles") == settings_hash(
+        smoke_with("battery", methods=["fp16", "q8_0", "q4_0"], needles=1), "needles"
+    )
     assert dry_config(cfg)[0]["battery"]["method_lengths"] == {"q4_0": [1024 // 16]}
     with pytest.raises(ConfigError, match="method_lengths"):
         smoke_with("battery", method_lengths={"q4_0": [2048]})

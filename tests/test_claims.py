@@ -38,12 +38,17 @@ def _niah(n=100, **methods):
 
 
 def _sweep(bytes_per_token: dict, tpot: dict, ttft_extra: dict, power: float = 1.0, tpot_spread: float | None = 0.05):
-    """Sweep rows; the TPOT ratio's interval over rounds is its value +- ``tpot_spread`` (no interval columns if None)."""
+    """Sweep rows; the TPOT ratio's interval over rounds is its value +- ``tpot_spread`` (no interval columns if
+    None)."""
     rows = []
     for m, bpt in bytes_per_token.items():
         for L in (1, 1024, 4096, 8192, 16384):
             ratio = tpot[m] / tpot["fp16"]
-            spread = {} if tpot_spread is None else {"tpot_vs_ref_low": ratio - tpot_spread, "tpot_vs_ref_high": ratio + tpot_spread}
+            spread = (
+                {}
+                if tpot_spread is None
+                else {"tpot_vs_ref_low": ratio - tpot_spread, "tpot_vs_ref_high": ratio + tpot_spread}
+            )
             rows.append(
                 {
                     "method": m,
@@ -111,11 +116,23 @@ def test_without_measurements_nothing_is_decided_but_arithmetic():
             _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 1e-3, -1), q4_0=(0.3, 4.5, 0.5, -5)),
             _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 1e-3, -1), q4_0=(1, 4.5, 0.01, -1)),
         ),
-        ("S0-14", _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0.01, -1)), _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0.2, -1))),
+        (
+            "S0-14",
+            _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0.01, -1)),
+            _niah(fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0.2, -1)),
+        ),
         ("S1-1", _niah(turbo3=(1, 2.0, 0, -1)), _niah(turbo3=(1, 3.2, 0, -1))),
         ("S0-3", _niah(q8_0=(1, 3.7, 0, -1)), _niah(q8_0=(1, 8.5, 0, -1))),
-        ("S3-9", _niah(fp8_e4m3=(1, 8, 0.02, -1), fp8_e5m2=(1, 8, 0.01, -1)), _niah(fp8_e4m3=(1, 8, 0.01, -1), fp8_e5m2=(1, 8, 0.02, -1))),
-        ("S1-5", _niah(fp16=(1, 16, 0, -1), turbo3=(1, 3.1, 0, -1)), _niah(fp16=(1, 16, 0, -1), turbo3=(0.5, 3.1, 0, -1))),
+        (
+            "S3-9",
+            _niah(fp8_e4m3=(1, 8, 0.02, -1), fp8_e5m2=(1, 8, 0.01, -1)),
+            _niah(fp8_e4m3=(1, 8, 0.01, -1), fp8_e5m2=(1, 8, 0.02, -1)),
+        ),
+        (
+            "S1-5",
+            _niah(fp16=(1, 16, 0, -1), turbo3=(1, 3.1, 0, -1)),
+            _niah(fp16=(1, 16, 0, -1), turbo3=(0.5, 3.1, 0, -1)),
+        ),
     ],
 )
 def test_needle_verdicts_follow_the_measurements(cid, good, bad):
@@ -131,7 +148,12 @@ def test_sweep_verdicts_follow_the_measurements():
 
 def test_ttft_spread_is_inconclusive_while_each_ttft_is_measured_once():
     for extra, spread in ((0, "1.00"), (5, "13.21")):  # at 4K: (0.41 s + 5 s) / 0.41 s
-        r = row("S0-12", Evidence("x", sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": 0.7}, {"fp16": 0, "q8_0": extra})))
+        r = row(
+            "S0-12",
+            Evidence(
+                "x", sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": 0.7}, {"fp16": 0, "q8_0": extra})
+            ),
+        )
         assert r["verdict"] == "inconclusive (no spread measured: one TTFT per method and length)"
         assert f"TTFT max/min across methods at >= 4K: {spread}," in r["measured"]
 
@@ -140,7 +162,12 @@ def test_tpot_verdict_needs_an_interval_over_rounds():
     def tpot(q8, spread):
         return row(
             "S0-13",
-            Evidence("x", sweep=_sweep({"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": q8}, {"fp16": 0, "q8_0": 0}, tpot_spread=spread)),
+            Evidence(
+                "x",
+                sweep=_sweep(
+                    {"fp16": 100, "q8_0": 53}, {"fp16": 1.0, "q8_0": q8}, {"fp16": 0, "q8_0": 0}, tpot_spread=spread
+                ),
+            ),
         )
 
     assert tpot(0.78, 0.03)["verdict"] == "supported"
@@ -148,8 +175,14 @@ def test_tpot_verdict_needs_an_interval_over_rounds():
     assert tpot(0.84, 0.05)["verdict"] == "inconclusive (n=32 rounds, TPOT ratio 0.84 [0.79, 0.89])"
     assert tpot(0.7, None)["verdict"] == "inconclusive (no spread measured: one median ratio per step)"
     measured = tpot(0.78, 0.03)["measured"]
-    assert "[0.75, 0.81]" in measured and "against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel)" in measured
-    assert "against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel)" in tpot(0.7, None)["measured"]
+    assert (
+        "[0.75, 0.81]" in measured
+        and "against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel)" in measured
+    )
+    assert (
+        "against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel)"
+        in tpot(0.7, None)["measured"]
+    )
 
 
 def _traces(periodic: int, flat: int) -> pd.DataFrame:
@@ -205,11 +238,17 @@ def test_perplexity_verdicts_follow_the_measurements():
     assert verdict("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=1.05))) == "supported"
     assert verdict("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=1.001))) == "refuted"
     r = row("S1-3", Evidence("x", kv_ppl=_kv_ppl(int8_token=[0.99, 1.04, 1.0, 1.03])))
-    assert r["verdict"].startswith("inconclusive (n=4 windows, perplexity int8_token +1.48% [") and "in 4 windows" in r["measured"]
+    assert (
+        r["verdict"].startswith("inconclusive (n=4 windows, perplexity int8_token +1.48% [")
+        and "in 4 windows" in r["measured"]
+    )
     needles = _niah(fp16=(1, 16, 0, -1), turbo3=(1, 3.25, 0, -1))
     assert verdict("S1-5", Evidence("x", niah=needles, kv_ppl=_kv_ppl(turbo3=1.2))) == "refuted"
     r = row("S1-5", Evidence("x", niah=needles, kv_ppl=_kv_ppl(turbo3=1.0)))
-    assert r["verdict"] == "inconclusive (code completion not measured; no needle loss: supported; no perplexity loss: supported)"
+    assert (
+        r["verdict"]
+        == "inconclusive (code completion not measured; no needle loss: supported; no perplexity loss: supported)"
+    )
 
 
 def test_fp4_is_supported_by_whichever_rows_ran_it():
@@ -222,7 +261,9 @@ def test_fp4_is_supported_by_whichever_rows_ran_it():
 
 def test_accuracy_drop_interval_is_paired_and_stays_wide_with_few_questions():
     d = claims._drops(Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, 0, -1))), "q8_0")["q8_0"]
-    assert d["n"] == 5 and d["drop"] == 0 and d["drop_low"] < -0.4 and d["drop_high"] > 0.4  # a bootstrap would give [0, 0]
+    assert (
+        d["n"] == 5 and d["drop"] == 0 and d["drop_low"] < -0.4 and d["drop_high"] > 0.4
+    )  # a bootstrap would give [0, 0]
     d = claims._drops(Evidence("x", niah=_niah(n=100, fp16=(0.8, 16, 0, -1), q8_0=(0.8, 8.5, 0, -1))), "q8_0")["q8_0"]
     assert -0.05 < d["drop_low"] < 0 < d["drop_high"] < 0.05  # the same questions right: the pairing narrows it
     d = claims._drops(Evidence("x", niah=_niah(n=100, fp16=(1, 16, 0, -1), q4_0=(0.3, 4.5, 0, -1))), "q4_0")["q4_0"]
@@ -254,7 +295,10 @@ def test_accuracy_drop_interval_matches_newcombes_square_and_add():
 
 def test_retrieval_verdict_needs_paired_intervals():
     def s0_7(n, q8, q4):
-        return row("S0-7", Evidence("x", niah=_niah(n=n, fp16=(1, 16, 0, -1), q8_0=(q8, 8.5, 1e-3, -1), q4_0=(q4, 4.5, 0.5, -5))))
+        return row(
+            "S0-7",
+            Evidence("x", niah=_niah(n=n, fp16=(1, 16, 0, -1), q8_0=(q8, 8.5, 1e-3, -1), q4_0=(q4, 4.5, 0.5, -5))),
+        )
 
     assert s0_7(100, 1, 0.3)["verdict"] == "supported"
     assert s0_7(100, 0.7, 0.95)["verdict"] == "refuted"
@@ -284,13 +328,22 @@ def test_kl_verdicts_need_their_interval():
     spread = [0.0, 0.12, 0.01, 0.1, 0.02]
     r = row("S0-14", Evidence("x", niah=_niah(n=5, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, spread, -1))))
     assert r["verdict"].startswith("inconclusive (n=5, mean KL 0.050 [") and "over 5 questions" in r["measured"]
-    assert verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, spread * 10, -1)))) == "inconclusive"
     assert (
-        verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k / 10 for k in spread] * 10, -1))))
+        verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, spread * 10, -1))))
+        == "inconclusive"
+    )
+    assert (
+        verdict(
+            "S0-14",
+            Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k / 10 for k in spread] * 10, -1))),
+        )
         == "supported"
     )
     assert (
-        verdict("S0-14", Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k + 0.1 for k in spread] * 10, -1))))
+        verdict(
+            "S0-14",
+            Evidence("x", niah=_niah(n=50, fp16=(1, 16, 0, -1), q8_0=(1, 8.5, [k + 0.1 for k in spread] * 10, -1))),
+        )
         == "refuted"
     )
     e4, e5 = [0.01, 0.03, 0.02, 0.05, 0.01], [0.02, 0.01, 0.04, 0.02, 0.03]
@@ -315,9 +368,13 @@ def test_warm_up_verdict_needs_repeated_runs_at_16k():
     assert cw(cold, [0.4 * c for c in cold])["verdict"] == "refuted"
     wide = cw([10.0, 13.0, 8.0], [8.0, 6.0, 10.4])  # the medians give the claimed 20%, three noisy runs do not
     assert (
-        wide["verdict"].startswith("inconclusive (n=3 cold and 3 warm runs, reduction 0.20 [") and "bootstrap interval" in wide["measured"]
+        wide["verdict"].startswith("inconclusive (n=3 cold and 3 warm runs, reduction 0.20 [")
+        and "bootstrap interval" in wide["measured"]
     )
-    assert cw(cold, [0.78 * c for c in cold], target=8192)["verdict"] == "inconclusive (measured at 8192, the claim is about 16384)"
+    assert (
+        cw(cold, [0.78 * c for c in cold], target=8192)["verdict"]
+        == "inconclusive (measured at 8192, the claim is about 16384)"
+    )
     old = {"cold": {"ttft_s": 10.0, "target": 16384}, "warm": {"ttft_s": 7.8, "warmup": 4096}, "reduction": 0.22}
     r = row("S0-15", Evidence("x", cold_warm=old))
     assert r["verdict"] == "inconclusive (n=1 cold and 1 warm runs: no spread)" and "by 22%" in r["measured"]
@@ -381,14 +438,18 @@ def test_weight_quantization_verdicts_follow_the_measurements():
     sym, asym = "W8A8 sym per-token", "W8A8 asym per-token"
     assert verdict("S3-1", _wq({sym: 1.2, asym: 0.7})) != verdict("S3-1", _wq({sym: 0.5, asym: 0.9}))
     g = "W4A8 AutoRound g64"
-    assert verdict("S3-2", _wq({g: 15.3, g + " +1% int8 channels": 2.1})) != verdict("S3-2", _wq({g: 2.0, g + " +1% int8 channels": 2.5}))
+    assert verdict("S3-2", _wq({g: 15.3, g + " +1% int8 channels": 2.1})) != verdict(
+        "S3-2", _wq({g: 2.0, g + " +1% int8 channels": 2.5})
+    )
     g128 = "W4A8 AutoRound g128"  # the group is the config's (cpu: 128): the claims find the rows whatever it is
     assert verdict("S3-2", _wq({g128: 15.3, g128 + " +1% int8 channels": 2.1})) == verdict(
         "S3-2", _wq({g: 15.3, g + " +1% int8 channels": 2.1})
     )
     assert not verdict("S3-2", _wq({g128: 15.3, g128 + " +1% int8 channels": 2.1})).startswith("untestable")
     assert verdict("S3-12", _wq({"W4A16": 1.0})) != verdict("S3-12", _wq({"W4A16": 2.0}))
-    names = [f"W3A16 RTN g64 asym{s}" for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")]
+    names = [
+        f"W3A16 RTN g64 asym{s}" for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")
+    ]
     assert verdict("S3-5", _wq(dict(zip(names, (40, 10, 35, 38))))) != verdict("S3-5", _wq(dict.fromkeys(names, 40)))
 
 
@@ -433,7 +494,8 @@ def test_each_3bit_turboquant_variant_is_judged_on_its_own_and_named_with_its_re
     lossy = _with_variant(_niah(**{"turboquant_3bit_nc": (0.6, 14.0, 0, -1)}), "strict", policy, 3.25)
     r = row("S1-5", Evidence("x", niah=pd.concat([paper, lossless])))
     assert r["verdict"] == (
-        "partly (refuted for turbo3; code completion not measured; turboquant_3bit_nc@engine: no needle loss: supported)"
+        "partly (refuted for turbo3; code completion not measured; "
+        "turboquant_3bit_nc@engine: no needle loss: supported)"
     )
     assert "turboquant_3bit_nc@engine (read engine, all but first and last 2 layers" in r["measured"]
     assert verdict("S1-5", Evidence("x", niah=pd.concat([paper, lossy]))) == "refuted"
@@ -443,10 +505,18 @@ def test_each_3bit_turboquant_variant_is_judged_on_its_own_and_named_with_its_re
 
 def test_s1_1_reports_the_vllm_preset_over_the_whole_cache_and_on_its_coded_layers():
     policy = "all but sliding-window layers (kept at fp16)"
-    needles = pd.concat([_niah(turbo3=(1, 3.2, 0, -1)), _with_variant(_niah(turboquant_3bit_nc=(1, 12.8, 0, -1)), "strict", policy, 3.2)])
+    needles = pd.concat(
+        [
+            _niah(turbo3=(1, 3.2, 0, -1)),
+            _with_variant(_niah(turboquant_3bit_nc=(1, 12.8, 0, -1)), "strict", policy, 3.2),
+        ]
+    )
     r = row("S1-1", Evidence("x", niah=needles))
     assert r["verdict"] == "refuted"
-    assert "turboquant_3bit_nc (read strict, all but sliding-window layers (kept at fp16)) stores 12.80 bits/value" in r["measured"]
+    assert (
+        "turboquant_3bit_nc (read strict, all but sliding-window layers (kept at fp16)) stores 12.80 bits/value"
+        in r["measured"]
+    )
     assert "(1.25x) and 3.20 on the layers it codes (5.00x)" in r["measured"]
 
 
@@ -458,4 +528,7 @@ def test_turbo3_read_only_through_the_cache_still_decides_s1_1_and_s1_5():
     lossless = _niah(fp16=(1, 16, 0, -1), turboquant_3bit_nc=(1, 12.0, 0, -1))
     r = row("S1-5", Evidence("x", niah=lossless, kv_ppl=ppl))
     assert r["measured"].startswith("turbo3 needles not asked; perplexity vs fp16: turbo3 +50.00%")
-    assert r["verdict"] == "partly (refuted for turbo3; code completion not measured; turboquant_3bit_nc: no needle loss: supported)"
+    assert (
+        r["verdict"]
+        == "partly (refuted for turbo3; code completion not measured; turboquant_3bit_nc: no needle loss: supported)"
+    )

@@ -46,7 +46,11 @@ def _key(r):
 def _measured(r):
     """A row without what may differ between runs: timings (``*_s``, ``*_per_token``, ``tpot*``), memory
     readings of the process, the time and the worker."""
-    return {k: v for k, v in r.items() if k not in TIMING and not k.endswith(("_s", "_per_token")) and not k.startswith("tpot")}
+    return {
+        k: v
+        for k, v in r.items()
+        if k not in TIMING and not k.endswith(("_s", "_per_token")) and not k.startswith("tpot")
+    }
 
 
 def test_cluster_rows_equal_one_process(local_cluster, smoke, tmp_path):
@@ -115,7 +119,9 @@ def test_killed_driver_resumes_with_no_row_lost_or_doubled(local_cluster, smoke,
     cfg, lm = smoke
     path = tmp_path / "t.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(path)], env=env, cwd=ROOT, capture_output=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(path)], env=env, cwd=ROOT, capture_output=True, timeout=300
+    )
     assert done.returncode == -9, done.stderr.decode()[-2000:]
     before = len(_rows(path))
     assert 0 < before < 32

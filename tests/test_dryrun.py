@@ -16,7 +16,9 @@ GPU_CONFIGS = ["h200", "a100-80g", "qwen3.5-35b-a3b-random"]
 def test_the_layer_pattern_period_is_the_shortest_repeat():
     assert pattern_period(["full_attention"] * 5) == 1
     assert pattern_period(["linear_attention"] * 3 + ["full_attention"]) == 4
-    assert pattern_period((["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2) == 6  # Gemma 3
+    assert (
+        pattern_period((["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2) == 6
+    )  # Gemma 3
 
 
 @pytest.mark.parametrize(
@@ -27,7 +29,9 @@ def test_the_layer_pattern_period_is_the_shortest_repeat():
         ("qwen3.5-35b-a3b-random", "qwen3_5_moe_text", (16, 2, 256), ["linear_attention"] * 3 + ["full_attention"]),
     ],
 )
-def test_a_dry_config_keeps_the_architecture_and_every_method_and_shrinks_the_rest(tmp_path, config, arch, heads, layers):
+def test_a_dry_config_keeps_the_architecture_and_every_method_and_shrinks_the_rest(
+    tmp_path, config, arch, heads, layers
+):
     real = load_config(config)
     path, left_out = write_dry_config(config, tmp_path)
     dry = load_config(str(path))  # the rewritten file passes the same checks
@@ -42,7 +46,9 @@ def test_a_dry_config_keeps_the_architecture_and_every_method_and_shrinks_the_re
         assert dry.sweep.methods == real.sweep.methods
     lm = load_model(dry.model)
     c = lm.model.config
-    assert c.model_type == arch and (c.num_attention_heads, c.num_key_value_heads, lm.head_dim) == heads  # query, KV heads, head_dim
+    assert (
+        c.model_type == arch and (c.num_attention_heads, c.num_key_value_heads, lm.head_dim) == heads
+    )  # query, KV heads, head_dim
     if layers:
         assert c.layer_types == layers * 2  # the first two periods of the real pattern
     assert sum(p.numel() for p in lm.model.parameters()) < 30e6

@@ -31,5 +31,7 @@ def test_the_smoke_run_gives_the_golden_rows(smoke_cfg, tiny, tmp_path):
     golden = _rows(GOLDEN)
     now = _rows(run_needles(smoke_cfg, tiny, tmp_path / "r.jsonl", progress=False))
     assert now.keys() == golden.keys()
-    diffs = [(k, f, golden[k][f], now[k].get(f)) for k in golden for f in golden[k] if not _same(golden[k][f], now[k].get(f))]
+    diffs = [
+        (k, f, golden[k][f], now[k].get(f)) for k in golden for f in golden[k] if not _same(golden[k][f], now[k].get(f))
+    ]
     assert not diffs, f"{len(diffs)} fields differ from the golden run, e.g. {diffs[:3]}"

@@ -42,7 +42,12 @@ def test_shared_prefix_gives_the_same_answers_as_separate_prefills(smoke_cfg, ti
     alone = []
     for d in (0.5, 1.0):
         alone += read_rows(
-            run_grid(_cfg(smoke_cfg, lengths=[400], depths=[d], methods=["fp16"]), tiny, tmp_path / f"b{d}.jsonl", progress=False)
+            run_grid(
+                _cfg(smoke_cfg, lengths=[400], depths=[d], methods=["fp16"]),
+                tiny,
+                tmp_path / f"b{d}.jsonl",
+                progress=False,
+            )
         )
     assert any(r["shared_prefix_tokens"] > 0 for r in shared)
     by = {(r["depth"]): r for r in alone}

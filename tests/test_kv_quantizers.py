@@ -1,4 +1,5 @@
-"""Scalar KV quantizers (niah/kv/methods/: q8_0, q4_0, fp4, fp8, kivi, sliding_window) and bit packing (niah/kv/packing.py)."""
+"""Scalar KV quantizers (niah/kv/methods/: q8_0, q4_0, fp4, fp8, kivi, sliding_window) and bit packing
+(niah/kv/packing.py)."""
 
 import gguf
 import numpy as np
@@ -406,4 +407,6 @@ def test_fp8_codes_decode_exactly(fp8):
     rows = q.dequantize(p).flatten()
     assert torch.equal(rows.view(torch.int32)[finite], want.view(torch.int32)[finite]), fp8
     if fp8 == torch.float8_e5m2:
-        assert torch.equal(rows[~finite].isnan(), want[~finite].isnan()) and torch.equal(rows[want.isinf()], want[want.isinf()])
+        assert torch.equal(rows[~finite].isnan(), want[~finite].isnan()) and torch.equal(
+            rows[want.isinf()], want[want.isinf()]
+        )

@@ -44,7 +44,9 @@ def test_a_killed_run_resumes_without_duplicates(smoke_with, tiny, tmp_path, kil
     keys = [tuple(r[k] for k in KEY) for r in rows]
     assert len(keys) == len(set(keys)) == 2 * len(cfg.kv_perplexity.methods)
     again = {(r["method"], r["window"]): r["nll_sum"] for r in rows}
-    assert all(again[(r["method"], r["window"])] == r["nll_sum"] for r in first)  # the resumed window's reference is recomputed alike
+    assert all(
+        again[(r["method"], r["window"])] == r["nll_sum"] for r in first
+    )  # the resumed window's reference is recomputed alike
 
 
 def test_ratio_and_interval_follow_the_windows():
@@ -72,7 +74,9 @@ def test_bad_settings_are_named(smoke_with, tiny, tmp_path):
     with pytest.raises(ConfigError, match="unknown kv_perplexity setting"):
         run_kv_perplexity(smoke_with("kv_perplexity", tokens=3), tiny, tmp_path / "p.jsonl", progress=False)
     with pytest.raises(ConfigError, match="exceeds the model's limit of 2048"):
-        run_kv_perplexity(smoke_with("kv_perplexity", context=2000, continuation=100), tiny, tmp_path / "p.jsonl", progress=False)
+        run_kv_perplexity(
+            smoke_with("kv_perplexity", context=2000, continuation=100), tiny, tmp_path / "p.jsonl", progress=False
+        )
     assert not (tmp_path / "p.jsonl").exists()
 
 
@@ -89,11 +93,17 @@ def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
     s = cfg.kv_perplexity
     assert s.parts["q4_0+sliding"] == ("q4_0", "sliding") and "turboquant_k3v4_nc+all_layers+full" not in s.parts
     assert s.parts["turboquant_k3v4_nc+all_layers+keys"] == ("turboquant_k3v4_nc+all_layers", "keys")
-    rows = {r["method"]: r for r in read_rows(run_kv_perplexity(cfg, lm, tmp_path / "p.jsonl", progress=False)) if r["window"] == 0}
+    rows = {
+        r["method"]: r
+        for r in read_rows(run_kv_perplexity(cfg, lm, tmp_path / "p.jsonl", progress=False))
+        if r["window"] == 0
+    }
     assert len(rows) == 3 + 2 * 4 - 2
     fp16, q4 = rows["fp16"], rows["q4_0"]
     assert rows["q4_0+full"]["kv_bytes_sliding_attention"] == fp16["kv_bytes_sliding_attention"]
-    assert rows["q4_0+full"]["kv_bytes_full_attention"] == q4["kv_bytes_full_attention"] < fp16["kv_bytes_full_attention"]
+    assert (
+        rows["q4_0+full"]["kv_bytes_full_attention"] == q4["kv_bytes_full_attention"] < fp16["kv_bytes_full_attention"]
+    )
     assert rows["q4_0+sliding"]["kv_bytes_full_attention"] == fp16["kv_bytes_full_attention"]
     for part in ("keys", "values", "full", "sliding"):
         r = rows[f"q4_0+{part}"]
@@ -107,11 +117,15 @@ def test_breakdown_parts_are_checked(smoke_with):
     with pytest.raises(ConfigError, match="unknown kv_perplexity.breakdown part"):
         smoke_with("kv_perplexity", breakdown=["key"]).kv_perplexity
     with pytest.raises(ConfigError, match=r"breakdown_methods \['q8_0'\] are not in kv_perplexity.methods"):
-        smoke_with("kv_perplexity", methods=["fp16", "q4_0"], breakdown=["keys"], breakdown_methods=["q8_0"]).kv_perplexity
+        smoke_with(
+            "kv_perplexity", methods=["fp16", "q4_0"], breakdown=["keys"], breakdown_methods=["q8_0"]
+        ).kv_perplexity
 
 
 def test_breakdown_methods_choose_which_listed_methods_get_rows(smoke_with):
-    cfg = smoke_with("kv_perplexity", methods=["fp16", "q4_0", "q8_0"], breakdown=["keys", "values"], breakdown_methods=["q4_0"])
+    cfg = smoke_with(
+        "kv_perplexity", methods=["fp16", "q4_0", "q8_0"], breakdown=["keys", "values"], breakdown_methods=["q4_0"]
+    )
     s = cfg.kv_perplexity
     assert s.parts == {"q4_0+keys": ("q4_0", "keys"), "q4_0+values": ("q4_0", "values")}
     assert s.methods == ["fp16", "q4_0", "q8_0", "q4_0+keys", "q4_0+values"]

@@ -46,8 +46,18 @@ def _rows(methods, scores, logprob, kl=0.0, **extra):
 
 
 def _lcpp_frame():
-    f16 = _rows(["lcpp_f16"], [1, 1, 1, 1], -1.0, prefill_tokens_per_s=200.0, decode_s_per_token=0.04, state_bytes=2**21)
-    q8 = _rows(["lcpp_q8_0"], [1, 1, 0, 1], -1.5, kl=0.01, prefill_tokens_per_s=100.0, decode_s_per_token=0.05, state_bytes=2**20)
+    f16 = _rows(
+        ["lcpp_f16"], [1, 1, 1, 1], -1.0, prefill_tokens_per_s=200.0, decode_s_per_token=0.04, state_bytes=2**21
+    )
+    q8 = _rows(
+        ["lcpp_q8_0"],
+        [1, 1, 0, 1],
+        -1.5,
+        kl=0.01,
+        prefill_tokens_per_s=100.0,
+        decode_s_per_token=0.05,
+        state_bytes=2**20,
+    )
     return pd.DataFrame(f16 + q8)
 
 
@@ -59,16 +69,23 @@ def test_agreement_pairs_each_llamacpp_cache_with_this_repos_emulation_on_the_sa
     assert t.loc["lcpp_q8_0", "accuracy llama.cpp"] == 0.75 and t.loc["lcpp_q8_0", "accuracy this repo"] == 1.0
     assert t.loc["lcpp_q8_0", "scores agree"] == 0.75 and t.loc["lcpp_f16", "same answer text"] == 1.0
     assert t.loc["lcpp_q8_0", "logprob diff"] == pytest.approx(-0.25)
-    assert t.loc["lcpp_q8_0", "KL llama.cpp"] == pytest.approx(0.01) and t.loc["lcpp_q8_0", "KL this repo"] == pytest.approx(0.001)
+    assert t.loc["lcpp_q8_0", "KL llama.cpp"] == pytest.approx(0.01) and t.loc[
+        "lcpp_q8_0", "KL this repo"
+    ] == pytest.approx(0.001)
     speed = speed_table(_lcpp_frame()).set_index("method")
-    assert speed.loc["lcpp_q8_0", "decode_vs_f16"] == pytest.approx(1.25) and speed.loc["lcpp_q8_0", "prefill_vs_f16"] == 0.5
+    assert (
+        speed.loc["lcpp_q8_0", "decode_vs_f16"] == pytest.approx(1.25)
+        and speed.loc["lcpp_q8_0", "prefill_vs_f16"] == 0.5
+    )
     assert speed.loc["lcpp_f16", "state_mib"] == 2.0
 
 
 def test_the_ledger_quotes_llamacpp_only_when_it_ran():
     assert _llamacpp_note(Evidence("cpu"), "accuracy") == ""
     ev = Evidence("cpu", llamacpp=_lcpp_frame())
-    assert "lcpp_q8_0 0.75 vs f16 1.00" in _llamacpp_note(ev, "accuracy") and "4 questions" in _llamacpp_note(ev, "accuracy")
+    assert "lcpp_q8_0 0.75 vs f16 1.00" in _llamacpp_note(ev, "accuracy") and "4 questions" in _llamacpp_note(
+        ev, "accuracy"
+    )
     assert "decode time per token = 1.25" in _llamacpp_note(ev, "decode")
     assert "q8_0 1.0 MiB, f16 2.0 MiB" in _llamacpp_note(ev, "memory")
     assert "KL(f16 || q8_0) = 1.00e-02" in _llamacpp_note(ev, "kl")
@@ -78,12 +95,16 @@ def test_the_summary_shows_the_side_by_side_tables_when_llamacpp_ran(tmp_path, s
     from niah.report.summary import summary_markdown
     from niah.rundir import open_table
 
-    ours = _rows(["fp16"], [1, 1, 1, 1], -1.2, context=0) + _rows(["q8_0"], [1, 1, 1, 1], -1.25, kl=0.001, context=0)  # battery rows
+    ours = _rows(["fp16"], [1, 1, 1, 1], -1.2, context=0) + _rows(
+        ["q8_0"], [1, 1, 1, 1], -1.25, kl=0.001, context=0
+    )  # battery rows
     lcpp = _lcpp_frame().to_dict("records")
     for kind, file, rows in (("needles", "niah_results.jsonl", ours), ("llamacpp", "llamacpp_results.jsonl", lcpp)):
         table = open_table(smoke_cfg, kind, tmp_path / file)
         for r in rows:
-            table.append({"config": smoke_cfg.name, "model": "m", "git_commit": "c", "time": "t", "bits_per_value": 16, **r})
+            table.append(
+                {"config": smoke_cfg.name, "model": "m", "git_commit": "c", "time": "t", "bits_per_value": 16, **r}
+            )
     text = summary_markdown(smoke_cfg, tmp_path)
     assert "**llama.cpp side by side**" in text and "| lcpp_q8_0 " in text and "decode_vs_f16" in text
 
@@ -135,4 +156,6 @@ def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs
     fp16 = ours[ours["method"] == "fp16"].set_index(key)["generated"].str.strip()
     assert f16.sort_index().tolist() == fp16.sort_index().tolist()
     q8 = lcpp[lcpp["method"] == "lcpp_q8_0"]
-    assert (q8["kl_vs_ref"] > 0).all() and (q8["state_bytes"] < lcpp[lcpp["method"] == "lcpp_f16"]["state_bytes"].max()).all()
+    assert (q8["kl_vs_ref"] > 0).all() and (
+        q8["state_bytes"] < lcpp[lcpp["method"] == "lcpp_f16"]["state_bytes"].max()
+    ).all()

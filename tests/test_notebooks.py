@@ -15,7 +15,9 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
     for nb in chain():
         cells = nbformat.read(nb, as_version=4).cells
         assert any("parameters" in c.metadata.get("tags", []) for c in cells), f"{nb.name} has no parameters cell"
-        assert all(not c.get("outputs") and not c.get("execution_count") for c in cells if c.cell_type == "code"), nb.name
+        assert all(not c.get("outputs") and not c.get("execution_count") for c in cells if c.cell_type == "code"), (
+            nb.name
+        )
     times = reproduce("smoke", run_root=tmp_path / "runs", figures_root=tmp_path / "figs")
     assert set(times) >= {nb.name for nb in chain()}
     runs = tmp_path / "runs" / "smoke"
@@ -23,12 +25,21 @@ def test_chain_runs_on_smoke_and_notebooks_are_committed_clean(tmp_path):
     assert (runs / "niah_results.jsonl").stat().st_size > 0
     assert list((tmp_path / "figs" / "smoke").glob("heatmap_*.png"))
     assert (tmp_path / "figs" / "smoke" / "heatmap_completion_overview.png").exists()  # every method in one figure
-    for nb in chain():  # a figure cell shows its figure, never the paths it was saved to (this machine's, in every report)
+    for (
+        nb
+    ) in chain():  # a figure cell shows its figure, never the paths it was saved to (this machine's, in every report)
         for c in nbformat.read(runs / nb.name, as_version=4).cells:
-            shown = "".join(str(o.get("data", {}).get("text/plain", "")) + str(o.get("text", "")) for o in c.get("outputs", []))
+            shown = "".join(
+                str(o.get("data", {}).get("text/plain", "")) + str(o.get("text", "")) for o in c.get("outputs", [])
+            )
             assert str(tmp_path) not in shown and "PosixPath(" not in shown, f"{nb.name}: {shown[:200]}"
     summary = (runs / "summary.md").read_text()
-    assert "Needle accuracy" in summary and "McNemar" in summary and "Claims ledger**: " in summary and "supported" in summary
+    assert (
+        "Needle accuracy" in summary
+        and "McNemar" in summary
+        and "Claims ledger**: " in summary
+        and "supported" in summary
+    )
     assert "**Perplexity through the stored cache**" in summary and "| int8_token " in summary
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{BEGIN}\nold numbers\n{END}\nlayout\n")
@@ -86,7 +97,10 @@ def test_a_report_of_a_half_executed_chain_warns_and_says_so_at_the_top(tmp_path
     with pytest.warns(UserWarning, match="incomplete") as seen:
         html = report("smoke", run_root=tmp_path).read_text()
     said = str(seen[0].message)
-    assert f"{names[1]} stopped at code cell 1 (an error)" in said and f"{names[2]} stopped at code cell 1 (pending)" in said
+    assert (
+        f"{names[1]} stopped at code cell 1 (an error)" in said
+        and f"{names[2]} stopped at code cell 1 (pending)" in said
+    )
     assert f"{names[3]} was not executed" in said and names[0] not in said
     assert html.index("This report is incomplete") < html.index("Chapter zero")  # the banner comes first
 

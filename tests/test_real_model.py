@@ -45,7 +45,8 @@ def test_gemma_finds_needles_at_4k_through_its_sliding_layers(tmp_path):
 
 
 def test_pydoc_holds_the_gemma_tokens_the_cpu_battery_needs_side_by_side():
-    """README and configs/cpu.yaml: pydoc is 112,705 Gemma tokens; 5 contexts of 16K fit side by side, the old 10 did not."""
+    """README and configs/cpu.yaml: pydoc is 112,705 Gemma tokens; 5 contexts of 16K fit side by side, the old 10
+    did not."""
     from transformers import AutoTokenizer
 
     from niah.data.haystack import haystack_text

@@ -54,7 +54,9 @@ def test_row_kernels_read_what_the_torch_path_reads(method, role, monkeypatch):
     torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 128])  # q8_0 reads and q4_0 codes an even block count two blocks at a time
+@pytest.mark.parametrize(
+    "head_dim", [32, 96, 128]
+)  # q8_0 reads and q4_0 codes an even block count two blocks at a time
 @pytest.mark.parametrize("method", ["q8_0", "q4_0", "fp4_e2m1"])
 def test_block_formats_code_and_read_odd_and_even_block_counts(method, head_dim, monkeypatch):
     q = get_method(method).key
@@ -83,7 +85,9 @@ def test_row_kernel_reads_never_dequantize(method, monkeypatch):
     assert q.weighted_sum(p, torch.rand(2, 3, 2, tokens)).shape == (2, 3, 2, 64)
 
 
-@pytest.mark.parametrize("method", ["q4_0", "fp4_e2m1", *TURBO, "kivi2", "sliding_window_asym3"])  # numba encoders or plane packer
+@pytest.mark.parametrize(
+    "method", ["q4_0", "fp4_e2m1", *TURBO, "kivi2", "sliding_window_asym3"]
+)  # numba encoders or plane packer
 def test_cpu_encoders_write_the_torch_path_bytes(method, monkeypatch):
     q = get_method(method).key.for_layer(1)
     x = _kv(tokens=320 if q.token_group == 32 else 300, seed=3)

@@ -69,17 +69,26 @@ def test_paired_table_pairs_methods_question_by_question():
     by_length = paired_table(df).set_index(["method", "length"])
     assert by_length.loc[("q4_0", 1024), "losses"] == 2 and by_length.loc[("q4_0", 2048), "n"] == 5
     unanswered = paired_table(df[~((df["method"] == "fp16") & (df["depth"] < 2))], by=()).set_index("method")
-    assert unanswered.loc["q4_0", "n"] == 8 and unanswered.loc["q4_0", "losses"] == 2  # questions fp16 lacks are left out
+    assert (
+        unanswered.loc["q4_0", "n"] == 8 and unanswered.loc["q4_0", "losses"] == 2
+    )  # questions fp16 lacks are left out
 
 
 def test_read_mode_table_pairs_each_engine_read_with_its_strict_read():
     from niah.report.analysis import read_mode_table
 
-    rows = _rows("k3", [0, 0, 1, 1, 1, 1], -3.0) + _rows("k3@engine", [1] * 6, -1.0) + _rows("q4_0@engine", [1] * 6, -1.0)
-    df = pd.DataFrame(rows).assign(kl_vs_ref=lambda d: d["method"].map({"k3": 0.2, "k3@engine": 0.05, "q4_0@engine": 0.1}))
+    rows = (
+        _rows("k3", [0, 0, 1, 1, 1, 1], -3.0) + _rows("k3@engine", [1] * 6, -1.0) + _rows("q4_0@engine", [1] * 6, -1.0)
+    )
+    df = pd.DataFrame(rows).assign(
+        kl_vs_ref=lambda d: d["method"].map({"k3": 0.2, "k3@engine": 0.05, "q4_0@engine": 0.1})
+    )
     table = read_mode_table(df).set_index("length")
     assert list(table["method"]) == ["k3", "k3"]  # q4_0 was asked only @engine: no pair
-    assert table.loc[1024, "losses/gains"] == "0/1" and (table.loc[1024, "strict"], table.loc[1024, "engine"]) == (2 / 3, 1.0)
+    assert table.loc[1024, "losses/gains"] == "0/1" and (table.loc[1024, "strict"], table.loc[1024, "engine"]) == (
+        2 / 3,
+        1.0,
+    )
     assert table.loc[2048, "log-prob engine - strict"] == pytest.approx(2.0)
     assert (table.loc[2048, "KL strict"], table.loc[2048, "KL engine"]) == pytest.approx((0.2, 0.05))
     assert read_mode_table(df[df["method"] != "k3"]).empty

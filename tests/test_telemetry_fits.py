@@ -69,7 +69,10 @@ def test_nvml_index_follows_the_visible_devices(monkeypatch):
 def test_the_cpu_record_names_the_model_and_the_simd_flags_it_has():
     from niah.env import cpu_record
 
-    info = "processor\t: 0\nmodel name\t: Intel Xeon 8480+\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f amx_tile amx_bf16\n\n"
+    info = (
+        "processor\t: 0\nmodel name\t: Intel Xeon 8480+\n"
+        "flags\t\t: fpu sse4_2 avx avx2 fma avx512f amx_tile amx_bf16\n\n"
+    )
     rec = cpu_record(info + info.replace("processor\t: 0", "processor\t: 1"))
     assert rec["cpu"] == "Intel Xeon 8480+"
     assert rec["cpu_simd"] == ["sse4_2", "avx", "avx2", "fma", "avx512f", "amx_tile", "amx_bf16"]

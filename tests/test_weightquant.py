@@ -1,4 +1,5 @@
-"""Weight quantization: quantizers, packing, salience, masks, AWQ, AutoRound, the cache, the metrics (tiny tensors and models)."""
+"""Weight quantization: quantizers, packing, salience, masks, AWQ, AutoRound, the cache, the metrics (tiny tensors
+and models)."""
 
 import copy
 
@@ -73,7 +74,9 @@ def test_group_must_divide_the_input_channels():
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
 def test_bit_packing_round_trips_and_takes_bits_per_code(bits):
-    codes = torch.randint(0, 2**bits, (7, 3, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.int64).to(torch.uint8)
+    codes = torch.randint(0, 2**bits, (7, 3, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.int64).to(
+        torch.uint8
+    )
     packed = pack_bits(codes, bits)
     assert packed.numel() == -(-codes.numel() * bits // 8)
     assert torch.equal(unpack_bits(packed, bits, codes.shape), codes)
@@ -92,7 +95,9 @@ def test_salience_finds_a_planted_channel_and_shared_inputs_share_it(tiny):
     layer = model.model.layers[0]
     with torch.no_grad():
         layer.input_layernorm.weight[7] *= 50.0
-    stats = collect_inputs(model, torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)), sample_tokens=16, seed=0)
+    stats = collect_inputs(
+        model, torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)), sample_tokens=16, seed=0
+    )
     q, k = stats["model.layers.0.self_attn.q_proj"], stats["model.layers.0.self_attn.k_proj"]
     assert q is k and q.sample.shape == (16, 128)
     assert int(q.mean_abs.argmax()) == 7
@@ -155,7 +160,11 @@ def test_scheme_changes_logits_inside_the_block_and_restores_the_model(tiny):
 def test_evaluator_scores_fp32_against_itself(tiny):
     ev = Evaluator(tiny.model, torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
     m = ev.measure(QuantizedModel(Scheme("fp32")))
-    assert m["ppl"] == pytest.approx(m["ppl_fp32"]) and m["kl_vs_fp32"] == pytest.approx(0, abs=1e-6) and m["top1_vs_fp32"] == 1.0
+    assert (
+        m["ppl"] == pytest.approx(m["ppl_fp32"])
+        and m["kl_vs_fp32"] == pytest.approx(0, abs=1e-6)
+        and m["top1_vs_fp32"] == 1.0
+    )
     assert m["eval_tokens"] == 2 * 15
 
 
@@ -211,7 +220,12 @@ def test_autoround_codes_reproduce_its_quantized_weights():
     layers, record = autoround.calibrate(
         model, ByteTokenizer(), windows, bits=4, group=64, sym=True, iters=1, batch_size=2, amp=False, seed=0
     )
-    assert set(layers) == set(decoder_linears(model)) and record["iters"] == 1 and record["samples"] == 2 and record["wall_s"] >= 0
+    assert (
+        set(layers) == set(decoder_linears(model))
+        and record["iters"] == 1
+        and record["samples"] == 2
+        and record["wall_s"] >= 0
+    )
     w = model.model.layers[0].self_attn.q_proj.weight  # untouched: AutoRound worked on a copy
     deq = layers["model.layers.0.self_attn.q_proj"].dense()
     assert record["tuned_in"] == "torch.float32"
@@ -256,9 +270,13 @@ def test_autoround_calibrates_a_model_with_linear_attention_layers_and_codes_eve
     lm = load_model(HYBRID_SPECS["qwen3_5_moe"])
     windows = torch.randint(0, 250, (2, 16))
     layers, record = autoround.calibrate(lm.model, lm.tokenizer, windows, 4, 32, True, 1, 2, False, 0, blocks=4)
-    assert set(layers) == set(decoder_linears(lm.model))  # the full-attention block (layer 2) included; no unfused experts
+    assert set(layers) == set(
+        decoder_linears(lm.model)
+    )  # the full-attention block (layer 2) included; no unfused experts
     experts = {f"model.layers.{i}.mlp.experts.{p}" for i in range(4) for p in ("gate_up_proj", "down_proj")}
-    assert set(uncoded_weights(lm.model)) == experts | {f"model.layers.{i}.mlp.gate.weight" for i in range(4)}  # and the routers
+    assert set(uncoded_weights(lm.model)) == experts | {
+        f"model.layers.{i}.mlp.gate.weight" for i in range(4)
+    }  # and the routers
     assert record["rtn_layers"] and set(record["rtn_layers"]) < set(layers)  # the ones auto-round leaves are named
     for name in record["rtn_layers"]:
         w = decoder_linears(lm.model)[name].weight.float()

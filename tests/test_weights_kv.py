@@ -63,7 +63,9 @@ def test_the_interaction_is_the_difference_in_differences_with_a_verdict_from_it
     assert len(t) == 1, "one row per (quantized weights, quantized cache): fp32 and fp16 are the references"
     r = t.iloc[0]
     assert (r["weights"], r["kv"], r["n"]) == ("W4", "q4_0", 40)
-    assert r["kv_cost_on_fp32"] == pytest.approx(-0.1, abs=0.02) and r["kv_cost_on_weights"] == pytest.approx(-w4_cost, abs=0.02)
+    assert r["kv_cost_on_fp32"] == pytest.approx(-0.1, abs=0.02) and r["kv_cost_on_weights"] == pytest.approx(
+        -w4_cost, abs=0.02
+    )
     assert r["logprob_did"] == pytest.approx(-(w4_cost - 0.1), abs=0.02)
     assert r["low"] <= r["logprob_did"] <= r["high"]
     assert r["accuracy_did"] == pytest.approx(-10 / 40)
@@ -94,13 +96,17 @@ def test_fp32_cells_answer_the_batterys_questions_and_a_scheme_gets_its_own_rows
     same = battery[(battery["length"] == 512) & battery["method"].isin(["fp16", "q4_0"])]
     keys = ["length", "depth", "trial", "method"]
     pd.testing.assert_series_equal(
-        fp32.set_index(keys)["answer_logprob"].sort_index(), same.set_index(keys)["answer_logprob"].sort_index(), check_names=False
+        fp32.set_index(keys)["answer_logprob"].sort_index(),
+        same.set_index(keys)["answer_logprob"].sort_index(),
+        check_names=False,
     )
     w4 = Scheme("W4 RTN", w_bits=4, group=32)
     weights = tiny.model.model.layers[0].mlp.down_proj.weight.clone()
     rows = run_needles(cfg, tiny, QuantizedModel(w4, rtn_layers(tiny.model, w4)), ["q4_0"], path)
     assert len(rows) == 8 and (rows["weights"] == "W4 RTN").all()
-    assert (tiny.model.model.layers[0].mlp.down_proj.weight == weights).all(), "the scheme's weights leave with the block"
+    assert (tiny.model.model.layers[0].mlp.down_proj.weight == weights).all(), (
+        "the scheme's weights leave with the block"
+    )
     assert len(read_rows(path)) == 16
     again = run_needles(cfg, tiny, QuantizedModel(Scheme("fp32")), ["q4_0"], path)
     assert len(again) == 8 and len(read_rows(path)) == 16, "a rerun asks nothing again"

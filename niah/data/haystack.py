@@ -35,11 +35,15 @@ def folder_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     files = sorted(folder.glob("*.txt"))
     if not files:
-        raise FileNotFoundError(f"haystack folder {folder} has no *.txt files: add UTF-8 text files or pick 'pydoc' or 'noise'")
+        raise FileNotFoundError(
+            f"haystack folder {folder} has no *.txt files: add UTF-8 text files or pick 'pydoc' or 'noise'"
+        )
     for f in files:
         try:
             if f.is_symlink() and not f.exists():
-                raise ValueError(f"haystack entry {f} is a broken or looping symbolic link: remove it from {folder} or fix it")
+                raise ValueError(
+                    f"haystack entry {f} is a broken or looping symbolic link: remove it from {folder} or fix it"
+                )
             if not f.is_file():
                 raise ValueError(f"haystack entry {f} is not a regular file: remove it from {folder} or rename it")
             decoder, size = codecs.getincrementaldecoder("utf-8")(), 0
@@ -51,7 +55,9 @@ def folder_files(folder: str | Path) -> list[Path]:
         except UnicodeDecodeError as err:
             raise ValueError(f"haystack file {f} is not valid UTF-8 ({err.reason}): re-save it as UTF-8") from None
         except OSError as err:
-            raise ValueError(f"haystack file {f} cannot be read ({err.strerror}): fix it or remove it from {folder}") from None
+            raise ValueError(
+                f"haystack file {f} cannot be read ({err.strerror}): fix it or remove it from {folder}"
+            ) from None
         if size == 0:
             raise ValueError(f"haystack file {f} is empty: fill it or remove it from {folder}")
     return files
@@ -134,5 +140,7 @@ def tokenize_haystack(text: str, tokenizer, n_tokens: int, repeat: bool = True) 
         if len(ids) < n_tokens and not repeat:
             raise HaystackTooShort(f"the haystack holds {len(ids)} tokens, fewer than the {n_tokens} asked")
     if rounds > 1:
-        warnings.warn(f"the haystack text is shorter than {n_tokens} tokens; it was repeated {rounds} times", stacklevel=2)
+        warnings.warn(
+            f"the haystack text is shorter than {n_tokens} tokens; it was repeated {rounds} times", stacklevel=2
+        )
     return TokenHaystack(ids, starts)

@@ -28,7 +28,10 @@ VALUE_KINDS = {
 NOUN = {"number": "special magic number", "uuid": "special magic uuid", "percent": "special magic percentage"}
 VARIANTS = ("single", "multi_key", "multi_value", "multi_query")
 
-INTRO = "Some {nouns} are hidden within the following text. Make sure to memorize them. I will quiz you about them afterwards.\n"
+INTRO = (
+    "Some {nouns} are hidden within the following text. Make sure to memorize them. "
+    "I will quiz you about them afterwards.\n"
+)
 NEEDLE = " One of the {noun}s for {key} is: {value}."
 QUESTION = "\nWhat {be} the {noun}{s} for {keys} mentioned in the provided text?"
 # RULER's answer prefix ends at "is"; the needle reads "is: <value>", so models first write ":" there and the
@@ -85,7 +88,12 @@ def needle_text(kind: str, key: str, value: str) -> str:
 def question_texts(trial: Trial) -> tuple[str, str]:
     """(question, answer prefix) for the trial."""
     plural = len(trial.expected) > 1
-    fmt = dict(noun=NOUN[trial.kind], s="s" if plural else "", be="are" if plural else "is", keys=" and ".join(trial.queried_keys))
+    fmt = dict(
+        noun=NOUN[trial.kind],
+        s="s" if plural else "",
+        be="are" if plural else "is",
+        keys=" and ".join(trial.queried_keys),
+    )
     return QUESTION.format(**fmt), ANSWER_PREFIX.format(**fmt)
 
 

@@ -37,7 +37,9 @@ def frame(tokenizer, style: str, intro: str, question: str, answer_prefix: str) 
         return intro, question + answer_prefix
     if style == "chat":
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("prompt style 'chat' needs a tokenizer with a chat template; this one has none: use 'completion'")
+            raise ValueError(
+                "prompt style 'chat' needs a tokenizer with a chat template; this one has none: use 'completion'"
+            )
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": intro + _MARK + question}], add_generation_prompt=True, tokenize=False
         )

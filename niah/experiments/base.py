@@ -50,8 +50,8 @@ def too_long_reason(cfg: Config, loaded, prompt: int, answer: int = 0) -> str | 
         return None
     if prompt + answer <= limit:
         return (
-            f"a prompt of {prompt} tokens with room for niah.max_new_tokens = {max_new} answer tokens exceeds the model's "
-            f"limit of {limit} tokens; lower niah.max_new_tokens to {limit - prompt} or less."
+            f"a prompt of {prompt} tokens with room for niah.max_new_tokens = {max_new} answer tokens "
+            f"exceeds the model's limit of {limit} tokens; lower niah.max_new_tokens to {limit - prompt} or less."
         )
     extend = " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
     hint = "" if limit > loaded.native_context else extend

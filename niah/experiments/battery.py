@@ -3,17 +3,15 @@
 This module runs the battery; :mod:`niah.data.placement` builds its contexts and questions in token space.  Two
 designs (``battery.mode``; what each measured is in docs/protocol.md):
 
-* ``single`` (one needle per prompt, the original needle test): the prompts of one context share their haystack
-  up to the needle, so that prefix is prefilled once (the grid's shared-prefix reuse,
-  :func:`~niah.experiments.grid.extend_shared`) and each question pays only for its needle and the text after it.
-* ``multi_key`` (RULER's multi-key needles): one context holds the needles of every length.  Attention is causal,
-  so its first ``L`` tokens are a context of length ``L``: it is prefilled once, in order, and its state is taken
-  out (:func:`~niah.experiments.protocol.context_states`) as the prefill passes each length.
+* ``single`` (one needle per prompt): the prompts of one context share their haystack up to the needle, prefilled
+  once (:func:`~niah.experiments.grid.extend_shared`); each question pays only for its needle and the text after it.
+* ``multi_key`` (RULER's multi-key needles): one context holds the needles of every length; attention is causal, so
+  it is prefilled once, in order, its state taken out at each length (:func:`~.protocol.context_states`).
 
-Either way every method stores a prefill's state once and each question runs over it (over a clone where there
-are several).  A unit of work is one prefill's worth (:class:`BatteryUnit`), run here or on a Ray worker.  Rows go
-to the needle results table with the grid's columns (``depth`` is the needle's nominal depth, so the depth x length
-heatmap is a view of the battery), plus ``context`` and ``needle_key``; a killed run resumes where it stopped.
+Every method stores a prefill's state once and each question runs over it.  A unit of work is one prefill's worth
+(:class:`BatteryUnit`), run here or on a Ray worker.  Rows go to the needle table with the grid's columns (``depth``
+is the nominal depth, so the depth x length heatmap is a view of the battery), plus ``context`` and ``needle_key``;
+a killed run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -46,12 +44,15 @@ def battery_contexts(cfg: Config, lm, s: Battery | None = None) -> list:
     style, kind = n.prompt_styles[0], n.needle["kind"]
     need = s.lengths[-1] * s.contexts  # each context its own stretch of text at the longest length
     try:
-        hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, need, repeat=False)
+        hay = tokenize_haystack(
+            haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, need, repeat=False
+        )
     except HaystackTooShort as err:
         raise ConfigError(
-            f"{err} for the battery's {s.contexts} contexts of {s.lengths[-1]} tokens ({lm.name}'s tokenizer); contexts "
-            "cut from a repeated text would be the same text, and count as independent questions. Ask fewer "
-            "battery.contexts (and more battery.needles), shorter battery.lengths, or a larger haystack (haystack: folder)"
+            f"{err} for the battery's {s.contexts} contexts of {s.lengths[-1]} tokens ({lm.name}'s tokenizer); "
+            "contexts cut from a repeated text would be the same text, and count as independent questions. "
+            "Ask fewer battery.contexts (and more battery.needles), shorter battery.lengths, "
+            "or a larger haystack (haystack: folder)"
         ) from None
     rng = random.Random(f"{cfg.seed}/battery")
     if s.mode == "single":
@@ -209,7 +210,7 @@ def _run_single_context(sink: RowSink, lm, unit: BatteryUnit) -> None:
             t0 = time.perf_counter()
             prefill(lm.model, ids[q.position :], base, chunk)
             sink.write(_ask_all(sink, lm, unit, context_states(base), [q], time.perf_counter() - t0))
-            if croppable(base):
+            if croppable(base):  # else (linear-attention state) extend_shared restarts the prefix for the next one
                 base.crop(q.position - len(ids))
         except (torch.OutOfMemoryError, MemoryError) as err:
             sink.fail(_unasked(sink, unit, [q]), "oom", err)

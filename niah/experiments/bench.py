@@ -60,7 +60,9 @@ def _kv(tokens: int, kv_heads: int, head_dim: int, seed: int = 0) -> torch.Tenso
     return x
 
 
-def codec_throughput(methods: list[str], tokens: int = 16384, kv_heads: int = 3, head_dim: int = 64, repeat: int = 9) -> pd.DataFrame:
+def codec_throughput(
+    methods: list[str], tokens: int = 16384, kv_heads: int = 3, head_dim: int = 64, repeat: int = 9
+) -> pd.DataFrame:
     """Per method: MB/s of fp32 input quantized and of fp32 output dequantized, and both as a share of copy speed
     (the median of ratios to copies timed alternately with them, :func:`paired_ratio`).
 
@@ -104,7 +106,14 @@ def codec_throughput(methods: list[str], tokens: int = 16384, kv_heads: int = 3,
     }
     for name, floor in floors.items():
         floor_s, floor_ratio = paired_ratio(floor, copy, repeat)
-        rows.append({"method": name, "copy_MBps": mb / copy_s, "quantize_MBps": mb / floor_s, "quantize_vs_copy": 1 / floor_ratio})
+        rows.append(
+            {
+                "method": name,
+                "copy_MBps": mb / copy_s,
+                "quantize_MBps": mb / floor_s,
+                "quantize_vs_copy": 1 / floor_ratio,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -140,11 +149,18 @@ def decode_attention(
     cat, cat_ratio = paired_ratio(fp32_cat_step, fp32_step, repeat)
     rows = [
         {"method": "fp32 (no cache method)", "path": "sdpa", "step_ms": 1e3 * base, "ratio_to_fp32": 1.0},
-        {"method": "fp32 (no cache method)", "path": "torch.cat + sdpa", "step_ms": 1e3 * cat, "ratio_to_fp32": cat_ratio},
+        {
+            "method": "fp32 (no cache method)",
+            "path": "torch.cat + sdpa",
+            "step_ms": 1e3 * cat,
+            "ratio_to_fp32": cat_ratio,
+        },
     ]
     for name in methods:
         for path in ("dequantize", "per chunk"):
-            layer = (FusedDecodeLayer if path == "per chunk" else PackedLayer)(get_method(name), 0, keep_dequantized=False)
+            layer = (FusedDecodeLayer if path == "per chunk" else PackedLayer)(
+                get_method(name), 0, keep_dequantized=False
+            )
             layer.update(k, v)
 
             def step():
@@ -161,7 +177,9 @@ def decode_attention(
 
 @torch.no_grad()
 def hf_quantized_cache(lm, context_ids: list[int], steps: int = 16, nbits_list=(4, 2)) -> pd.DataFrame:
-    """Decode ms/token of transformers' ``DynamicCache`` and ``QuantizedCache(backend="quanto")`` after the same prefill."""
+    """Decode ms/token of transformers' ``DynamicCache`` and ``QuantizedCache(backend="quanto")`` after the same
+    prefill."""
+
     def decode_ms(cache) -> float:
         ids = torch.tensor([context_ids])
         out = lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -177,7 +195,13 @@ def hf_quantized_cache(lm, context_ids: list[int], steps: int = 16, nbits_list=(
         try:
             cache = QuantizedCache(backend="quanto", config=lm.model.config, nbits=nbits)
         except ImportError as err:
-            rows.append({"cache": f"QuantizedCache quanto int{nbits}", "decode_ms_per_token": float("nan"), "note": str(err)[:120]})
+            rows.append(
+                {
+                    "cache": f"QuantizedCache quanto int{nbits}",
+                    "decode_ms_per_token": float("nan"),
+                    "note": str(err)[:120],
+                }
+            )
             continue
         rows.append({"cache": f"QuantizedCache quanto int{nbits}", "decode_ms_per_token": decode_ms(cache)})
     df = pd.DataFrame(rows)

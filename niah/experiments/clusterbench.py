@@ -38,7 +38,9 @@ def _timed_battery(cfg: Config, lm, folder: Path, name: str) -> float:
     return time.perf_counter() - t0
 
 
-def workers_vs_threads(config: str = "cpu", length: int = 4096, contexts: int = 4, needles: int = 2, methods=("fp16", "q8_0")) -> dict:
+def workers_vs_threads(
+    config: str = "cpu", length: int = 4096, contexts: int = 4, needles: int = 2, methods=("fp16", "q8_0")
+) -> dict:
     """Seconds for the same battery slice (``contexts`` units of ``needles`` questions at ``length``, ``methods``)
     in one process with 2 threads and on 2 Ray workers with 1 thread each; ``speedup`` is their ratio."""
     cfg = _battery_slice(load_config(config).updated("", threads=2), length, contexts, needles, list(methods))

@@ -37,7 +37,9 @@ class Cell:
 
 def cells(cfg: Config) -> list[Cell]:
     n = cfg.niah
-    return [Cell(s, L, float(d), t) for s in n.prompt_styles for L in n.lengths for d in n.depths for t in range(n.trials)]
+    return [
+        Cell(s, L, float(d), t) for s in n.prompt_styles for L in n.lengths for d in n.depths for t in range(n.trials)
+    ]
 
 
 def trial_rng(cfg: Config, cell: Cell) -> random.Random:
@@ -75,13 +77,20 @@ def run_grid(cfg: Config, loaded, out_path: Path | None = None, progress: bool =
     if not todo:
         return exp.path
     torch.set_num_threads(cfg.threads)
-    hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), loaded.tokenizer, max(n.lengths))
+    hay = tokenize_haystack(
+        haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), loaded.tokenizer, max(n.lengths)
+    )
     spec = NeedleSpec(**n.needle)
-    prompts = {c: build_cell(loaded.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(cfg, c)), c.style) for c in todo}
+    prompts = {
+        c: build_cell(loaded.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(cfg, c)), c.style)
+        for c in todo
+    }
     exp.start(sum(len(missing(c)) for c in todo), "needle grid")
     for style in n.prompt_styles:
         base, base_ids = None, []
-        for cell in sorted((c for c in todo if c.style == style), key=lambda c: (prompts[c].shared_prefix, c.length, c.depth, c.trial)):
+        for cell in sorted(
+            (c for c in todo if c.style == style), key=lambda c: (prompts[c].shared_prefix, c.length, c.depth, c.trial)
+        ):
             p = prompts[cell]
             unmeasured = [exp.row(**cell_keys(cfg, cell), method=m) for m in missing(cell)]
             reason = too_long_reason(cfg, loaded, len(p.prefill_ids) + len(p.question_ids), len(p.answer_ids))
@@ -126,7 +135,9 @@ def extend_shared(model, base, base_ids, p: CellPrompt | SharedPrompt, chunk: in
     return base, want
 
 
-def _run_cell(exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods, todo_methods, cell: Cell) -> list[dict]:
+def _run_cell(
+    exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods, todo_methods, cell: Cell
+) -> list[dict]:
     """Prefill the cell's own tokens on top of the shared cache, run the methods, crop back."""
     n = exp.cfg.niah
     t0 = time.perf_counter()
@@ -145,7 +156,13 @@ def _run_cell(exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods
             if name not in todo_methods:
                 continue
             scored = answer_fields(
-                ans, p.expected, answers[ref_name].answer_logsoftmax, stored, kv_entries(kv), methods[name].method, loaded.head_dim
+                ans,
+                p.expected,
+                answers[ref_name].answer_logsoftmax,
+                stored,
+                kv_entries(kv),
+                methods[name].method,
+                loaded.head_dim,
             )
             rows.append(
                 {
@@ -163,5 +180,7 @@ def _run_cell(exp: Experiment, loaded, base, shared: int, p: CellPrompt, methods
             )
         return rows
     finally:
+        # take this cell's own tokens off the shared prefix; a linear-attention state cannot be cropped, and
+        # extend_shared then restarts the prefix for the next cell
         if len(p.prefill_ids) > shared and croppable(base):
             base.crop(shared - len(p.prefill_ids))

@@ -1,11 +1,10 @@
 """Perplexity of held-out text read through each KV method's stored cache (seed claims S1-3 and S1-5).
 
-Per window of ``context + continuation`` tokens from the evaluation split of pydoc (the text notebook 01 scores
-weight schemes on, :mod:`niah.weightquant.data`): the context is prefilled once at full precision and every
-method stores that same prefill in a :class:`~niah.kv.cache.PackedCache`, as in the needle protocol.  The
-continuation is then one teacher-forced pass over the stored cache, which quantizes the continuation's own keys
-and values as it stores them (every token for the formats without a residual window; KIVI keeps its newest 128
-in full precision).  Its ``continuation - 1`` in-pass predictions are scored: each reads at least ``context``
+Per window of ``context + continuation`` tokens from the evaluation split of pydoc (:mod:`niah.weightquant.data`),
+the context is prefilled once at full precision and every method stores that same prefill in a
+:class:`~niah.kv.cache.PackedCache`, as in the needle protocol.  The continuation is then one teacher-forced pass
+over the stored cache, which quantizes the continuation's own keys and values as it stores them (KIVI keeps its
+newest 128 in full precision); its ``continuation - 1`` predictions are scored, each reading at least ``context``
 quantized tokens.  Against the reference method (fp16) the paired figures are the perplexity ratio, with a
 bootstrap interval over windows, and KL divergence and top-1 agreement of the next-token distributions.
 
@@ -65,7 +64,10 @@ def run_kv_perplexity(cfg: Config, lm, out_path: Path, progress: bool = True) ->
     torch.set_num_threads(cfg.threads)
     text = split_text("evaluation", cfg.weightquant.calibration_share)
     windows = token_windows(lm.tokenizer, text, s.windows, tokens)
-    units = [Window(w, windows[w].tolist(), tuple(dict.fromkeys([s.methods[0], *names])), tuple(names)) for w, names in todo.items()]
+    units = [
+        Window(w, windows[w].tolist(), tuple(dict.fromkeys([s.methods[0], *names])), tuple(names))
+        for w, names in todo.items()
+    ]
     exp.start(sum(len(u.todo) for u in units), "KV perplexity")
     if cfg.cluster.present:
         work = [Unit(f"kv_perplexity window {u.index}", tokens * len(u.methods), window_unit, u) for u in units]

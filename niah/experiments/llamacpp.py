@@ -1,16 +1,13 @@
 """llama.cpp side by side: the needle battery's questions run through llama.cpp itself (the ``[llamacpp]`` extra).
 
-Seed 000 is about llama.cpp's own KV cache types (``-ctk/-ctv q8_0``).  This module runs the same GGUF file that
-this repo dequantizes for transformers, on the same token ids (the battery's prompts, built with the tokenizer
-read from that GGUF), with llama.cpp's cache types f16, q8_0 and q4_0.  Since llama.cpp PR #21038 a quantized
-cache is rotated (a Hadamard transform of Q, K and V before the cache), so each quantized type runs with the
-rotation and without it (``LLAMA_ATTN_ROT_DISABLE=1``, which the vendored build reads when a context is made).
-
-Per question and cache type (``method`` ``lcpp_<type>``, ``lcpp_<type>_norot`` without the rotation) a row holds
-the greedy answer and its score, the teacher-forced answer log-prob and the answer-position log-softmax's KL and
-top-1 agreement against llama.cpp's own f16 cache (the same way :func:`~niah.experiments.protocol.compare_logits` scores this
-repo's methods), and the prefill and decode speed.  Flash attention is on for every type (llama.cpp needs it for
-a quantized V cache), so the f16 reference runs the same attention kernel as the others.
+The same GGUF file that this repo dequantizes for transformers runs on the same token ids with llama.cpp's cache
+types f16, q8_0 and q4_0.  llama.cpp rotates a quantized cache (a Hadamard transform of Q, K and V, PR #21038), so
+each quantized type runs with the rotation (``method`` ``lcpp_<type>``) and without it (``lcpp_<type>_norot``,
+``LLAMA_ATTN_ROT_DISABLE=1``).  Per question and cache type a row holds the greedy answer and its score, the
+teacher-forced answer log-prob, the KL and top-1 agreement against llama.cpp's own f16 cache (as
+:func:`~niah.experiments.protocol.compare_logits` scores this repo's methods), and the prefill and decode speed.
+Flash attention is on for every type (a quantized V cache needs it), so the f16 reference runs the same kernel.
+See docs/design-notes.md#niah.experiments.llamacpp.
 """
 
 from __future__ import annotations
@@ -87,10 +84,13 @@ def _last_logits(llm) -> torch.Tensor:
     return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy())
 
 
-def ask_llama(llm, ids: list[int], question_ids: list[int], answer_ids: list[int], max_new_tokens: int, eos: int, decode) -> tuple:
-    """Context and question through ``llm``, the expected answer teacher-forced one token at a time, then greedy decoding
-    from the first token where the argmax leaves the answer (as :func:`niah.experiments.protocol.ask` does, so the answer texts
-    compare).  Returns ``(answer, prefill_s)``; ``answer.question_s`` is the prefill of context and question together."""
+def ask_llama(
+    llm, ids: list[int], question_ids: list[int], answer_ids: list[int], max_new_tokens: int, eos: int, decode
+) -> tuple:
+    """Context and question through ``llm``, the expected answer teacher-forced one token at a time, then greedy
+    decoding from the first token where the argmax leaves the answer (as :func:`niah.experiments.protocol.ask` does,
+    so the answer texts compare).  Returns ``(answer, prefill_s)``; ``answer.question_s`` is the prefill of context
+    and question together."""
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(list(ids) + list(question_ids))
@@ -123,7 +123,8 @@ def state_size(llm) -> int:
 
 
 def time_decode(llm, first_token: int, steps: int) -> float:
-    """Seconds per greedy decode step over ``steps`` steps from where ``llm`` stands (its cache at the context's length)."""
+    """Seconds per greedy decode step over ``steps`` steps from where ``llm`` stands (its cache at the context's
+    length)."""
     token, t0 = first_token, time.perf_counter()
     for _ in range(steps):
         llm.eval([token])
@@ -137,7 +138,9 @@ def run_llamacpp(cfg: Config, lm, out_path: Path | None = None, progress: bool =
     ``lm`` is the transformers model of the same GGUF (its tokenizer builds the prompts)."""
     s = cfg.llamacpp
     if not cfg.battery.present:
-        raise ValueError(f"llamacpp: it asks the battery's questions, and config {cfg.name} has no battery: section; add one")
+        raise ValueError(
+            f"llamacpp: it asks the battery's questions, and config {cfg.name} has no battery: section; add one"
+        )
     gguf = verified_gguf(cfg.model)
     exp = Experiment(cfg, "llamacpp", lm.name, out_path, progress)
     style, max_new = cfg.niah.prompt_styles[0], cfg.niah.max_new_tokens
@@ -145,13 +148,16 @@ def run_llamacpp(cfg: Config, lm, out_path: Path | None = None, progress: bool =
     runs = variants(s)
 
     def row(q, method):
-        return exp.row(**cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial)), context=q.context, method=method)
+        return exp.row(
+            **cell_keys(cfg, Cell(style, q.length, round(q.depth, 4), q.trial)), context=q.context, method=method
+        )
 
     todo = [(name, kv, rot) for name, kv, rot in runs if any(not exp.done(row(q, name)) for _, q in prompts)]
     if not todo:
         return exp.path
     prompt, answer = max(
-        ((len(ids) + len(q.question_ids), len(q.answer_ids)) for ids, q in prompts), key=lambda p: p[0] + max(p[1], max_new)
+        ((len(ids) + len(q.question_ids), len(q.answer_ids)) for ids, q in prompts),
+        key=lambda p: p[0] + max(p[1], max_new),
     )
     n_ctx = prompt + max(answer, max_new) + 8
     reason = too_long_reason(cfg, lm, prompt, answer)
@@ -168,7 +174,9 @@ def run_llamacpp(cfg: Config, lm, out_path: Path | None = None, progress: bool =
                 if name != runs[0][0] and not wanted:
                     exp.bar.update(1)
                     continue
-                ans, prefill_s = ask_llama(llm, ids, q.question_ids, q.answer_ids, max_new, lm.tokenizer.eos_token_id, decode)
+                ans, prefill_s = ask_llama(
+                    llm, ids, q.question_ids, q.answer_ids, max_new, lm.tokenizer.eos_token_id, decode
+                )
                 state_bytes = state_size(llm)
                 decode_s = time_decode(llm, q.answer_ids[0], DECODE_STEPS)
                 if name == runs[0][0]:
@@ -200,15 +208,22 @@ def cross_check(cfg: Config, lm, run) -> pd.DataFrame | None:
     """Notebook 03's llama.cpp section: run (or resume) the cross-check and return its rows (their tables:
     :func:`niah.report.tables.agreement_table`, :func:`~niah.report.tables.speed_table`), or say why it cannot run."""
     if not installed():
-        print(f"llama.cpp cross-check skipped: llama-cpp-python is not installed. To run it: {INSTALL}, then run the chain again.")
+        print(
+            "llama.cpp cross-check skipped: llama-cpp-python is not installed. "
+            f"To run it: {INSTALL}, then run the chain again."
+        )
         return None
     if cfg.model["source"] not in ("package", "assembled"):
         print(
-            f"llama.cpp cross-check skipped: it needs the model as a GGUF file (source package or assembled), not {cfg.model['source']}."
+            "llama.cpp cross-check skipped: it needs the model as a GGUF file (source package or assembled), "
+            f"not {cfg.model['source']}."
         )
         return None
     if not cfg.battery.present:
-        print(f"llama.cpp cross-check skipped: it asks the battery's questions, and config {cfg.name} has no battery: section.")
+        print(
+            "llama.cpp cross-check skipped: it asks the battery's questions, "
+            f"and config {cfg.name} has no battery: section."
+        )
         return None
     run_llamacpp(cfg, lm, run.file("llamacpp"))
     return run.rows("llamacpp")

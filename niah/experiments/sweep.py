@@ -1,23 +1,15 @@
 """The stepped pressure sweep: context length from 1 token up to the longest step, per KV method.
 
-One haystack context (the RULER intro, a needle right after it, then haystack) is prefilled
-incrementally; the context of each step is a prefix of the next, so the whole sweep costs one prefill
-of the longest step.  TTFT of a step is the cumulative time of that chunked prefill (the same chunks a
-fresh request of that length would run) plus the method's quantize time.  At every step and for every
-method the sweep records:
+One haystack context (the RULER intro, a needle right after it, then haystack) is prefilled incrementally, each
+step's context a prefix of the next, so the sweep costs one prefill of the longest step.  Per step and method a row
+holds KV bytes (measured and analytical); peak memory and a memory trace sampled at ``sweep.hz``; TTFT (the
+cumulative chunked prefill plus the method's quantize time); TPOT, median and p90 over ``sweep.decode_steps`` greedy
+steps on the real decode path (:mod:`niah.kv.attend`), and its ratio to the reference method paired round by round
+(:func:`_paired_tpot`) with a bootstrap interval; retrieval of the needle and KL against the reference method.
 
-* KV bytes, measured from the stored tensors and from the format's analytical bits per value;
-* peak memory (process RSS on the CPU; ``torch.cuda.max_memory_allocated`` and pynvml on CUDA) and a
-  memory trace sampled at ``sweep.hz`` during quantization and decode, kept in the row;
-* TPOT: median and p90 over ``sweep.decode_steps`` greedy decode steps on the real decode path
-  (``keep_dequantized=False``: every step reads the whole stored cache, chunk by chunk, through
-  :mod:`niah.kv.attend`), timed with the methods' steps interleaved, and its ratio to the reference method
-  paired round by round (:func:`_paired_tpot`), with a bootstrap interval over rounds;
-* retrieval of the needle (once the step is long enough to hold it) and KL against the reference method.
-
-Rows are keyed by (config, model, method, length); a killed sweep resumes where it stopped.  A step
-that runs out of memory, or whose fp32 context would exceed ``sweep.memory_budget_gib``, is recorded
-with status ``oom`` and the sweep goes on.
+Rows are keyed by (config, model, method, length); a killed sweep resumes where it stopped.  A step that runs out
+of memory, or whose fp32 context would exceed ``sweep.memory_budget_gib``, is recorded with status ``oom`` and the
+sweep goes on.  See docs/design-notes.md#niah.experiments.sweep.
 """
 
 from __future__ import annotations
@@ -151,7 +143,9 @@ def _run_steps(sink: RowSink, lm, todo: dict[int, list[str]]) -> None:
     hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, longest)
     trial = make_trial(NeedleSpec(**{**cfg.niah.needle, "variant": "single"}), random.Random(f"{cfg.seed}/sweep"))
     cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")
-    probe_from = cell.needle_at + len(lm.tokenizer.encode(needle_text(trial.kind, *trial.needles[0]), add_special_tokens=False))
+    probe_from = cell.needle_at + len(
+        lm.tokenizer.encode(needle_text(trial.kind, *trial.needles[0]), add_special_tokens=False)
+    )
     cuda = str(cfg.device).startswith("cuda")
     for m in methods.values():  # compile the fused kernels before anything is timed
         warm_up(m.method, lm.model.config.num_key_value_heads, lm.head_dim, device=next(lm.model.parameters()).device)
@@ -181,8 +175,8 @@ def _run_steps(sink: RowSink, lm, todo: dict[int, list[str]]) -> None:
 def _step_rows(
     sink: RowSink, lm, kv, L: int, methods: dict, names: list[str], cell, probe: bool, ttft: float, cuda: bool
 ) -> list[dict]:
-    """The rows of ``names`` at the step of length ``L``, whose context is ``kv``: each of ``methods`` (the reference first) is
-    stored, probed and decoded, then all are decoded together for the paired TPOT."""
+    """The rows of ``names`` at the step of length ``L``, whose context is ``kv``: each of ``methods`` (the reference
+    first) is stored, probed and decoded, then all are decoded together for the paired TPOT."""
     s = sink.cfg.sweep
     ref = next(iter(methods))
     answers, firsts, rows = {}, {}, {}
@@ -196,7 +190,9 @@ def _step_rows(
             continue
         answers[name], firsts[name] = row.pop("_answer"), row.pop("_first")
         if probe and ref in answers:
-            row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(answers[ref].answer_logsoftmax, answers[name].answer_logsoftmax)
+            row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(
+                answers[ref].answer_logsoftmax, answers[name].answer_logsoftmax
+            )
             row["score"] = string_match_all(row["generated"], cell.expected)
         row["ttft_s"] = ttft + row["quantize_s"]
         row["prefill_s"] = ttft
@@ -285,11 +281,12 @@ def cold_vs_warm(cfg: Config, target: int, warmup: int, repeats: int = 1) -> dic
                 "import json, sys; from niah.experiments.sweep import first_request_ttft; "
                 f"print(json.dumps(first_request_ttft(json.load(sys.stdin), {target}, {w})))"
             )
-            proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), capture_output=True, text=True, cwd=env.ROOT)
+            proc = subprocess.run(
+                [sys.executable, "-c", code], input=json.dumps(cfg), capture_output=True, text=True, cwd=env.ROOT
+            )
             if proc.returncode:
-                raise RuntimeError(
-                    f"the {label} TTFT probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
-                )
+                err = proc.stderr.strip()
+                raise RuntimeError(f"the {label} TTFT probe failed: {err.splitlines()[-1] if err else proc.returncode}")
             runs[f"{label}_s"].append(json.loads(proc.stdout.strip().splitlines()[-1])["ttft_s"])
     runs["reduction"] = 1 - statistics.median(runs["warm_s"]) / statistics.median(runs["cold_s"])
     return runs

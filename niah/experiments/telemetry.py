@@ -35,7 +35,9 @@ def _cuda_reader(cuda_indices: list[int]):
         handles = []
         for i in cuda_indices:
             h = nvml_index(i)
-            handles.append(pynvml.nvmlDeviceGetHandleByUUID(h) if isinstance(h, str) else pynvml.nvmlDeviceGetHandleByIndex(h))
+            handles.append(
+                pynvml.nvmlDeviceGetHandleByUUID(h) if isinstance(h, str) else pynvml.nvmlDeviceGetHandleByIndex(h)
+            )
     except Exception:  # no library, driver or device: fall back to the CUDA allocator
         return None
     return lambda: sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles)

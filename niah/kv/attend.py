@@ -1,26 +1,14 @@
 """One decode step of attention read chunk by chunk from the packed cache, without a dequantized copy of it.
 
-The plain decode path dequantizes every stored chunk, concatenates them into one full-precision cache (fresh
-allocations of the whole cache at every step) and then attends.  Here each stored chunk is scored and summed on
-its own (:meth:`KVQuantizer.scores`, :meth:`KVQuantizer.weighted_sum`), and the softmax runs over the joined
-scores:
+Each stored chunk is scored and summed on its own (:meth:`KVQuantizer.scores`, :meth:`KVQuantizer.weighted_sum`)
+and the softmax runs over the joined scores.  On the CPU every quantized format reads its codes through the numba
+loops of :mod:`niah.kv.kernels.rowkernels` (TurboQuant in its rotated basis); elsewhere (fp16 and bf16, other
+devices) a chunk is dequantized into a temporary.  The numbers are those of attending over the dequantized cache up
+to float32 summation order (the tests check it).
 
-* on the CPU, every quantized format runs the numba loops of :mod:`niah.kv.kernels.rowkernels`: stored vectors are
-  decoded, four at a time, into a buffer that stays in L1 and used at once, so a step reads the codes, not a
-  full-precision copy.
-  TurboQuant works in its rotated basis: ``k = ||k|| Pi^T c`` with ``c`` the centroids of the codes, so
-  ``q . k = (Pi q) . (||k|| c)``; the query is rotated once per step and the weighted sum of values rotated back
-  once (``_prod`` adds its QJL sketch the same way, in the basis of ``S``).
-* elsewhere (fp16 and bf16, other devices) a chunk is dequantized into a temporary and multiplied with the query
-  or the weights.
-
-The numbers are the same as attending over the dequantized cache up to float32 summation order (the tests check
-it).  ``python -m niah bench kv`` measures their speed against a plain copy on the machine at hand.
-
-Compiled loops (:func:`fused`, :func:`fused_or_eager`) run the encoders of q8_0 and fp8: one pass instead of
-several over fresh full-size tensors.  Where ``torch.compile`` cannot run (no C++ compiler), the same functions
-run eagerly, with one warning; an error that the eager run raises too (a real bug, such as a shape mismatch) is
-raised.
+:func:`fused` and :func:`fused_or_eager` run the encoders of q8_0 and fp8 through ``torch.compile``; where it cannot
+run (no C++ compiler) they run eagerly, with one warning, and an error the eager run raises too is raised.
+See docs/design-notes.md#niah.kv.attend.
 """
 
 from __future__ import annotations
@@ -59,7 +47,9 @@ def fused(fn, *args):
         except Exception as err:  # a missing or broken C++ toolchain surfaces as many different exception types
             out = fn(*args)  # raises if the bug is in fn itself
             _compile_error = f"{type(err).__name__}: {str(err)[:200]}"
-            warnings.warn(f"torch.compile failed ({_compile_error}); fused KV kernels run eagerly (slower)", stacklevel=2)
+            warnings.warn(
+                f"torch.compile failed ({_compile_error}); fused KV kernels run eagerly (slower)", stacklevel=2
+            )
             return out
     return fn(*args)
 

@@ -148,7 +148,9 @@ def concat_tokens(a: Packed, b: Packed) -> Packed:
     shared = a.meta.get("shared", ())
     for k in shared:
         if not torch.equal(a.tensors[k], b.tensors[k]):
-            raise ValueError(f"cannot join blocks with different {k!r}: the second was not stored by quantize_after(x, first)")
+            raise ValueError(
+                f"cannot join blocks with different {k!r}: the second was not stored by quantize_after(x, first)"
+            )
     tensors = {k: a.tensors[k] if k in shared else torch.cat([a.tensors[k], b.tensors[k]], dim=2) for k in a.tensors}
     shape = (*a.shape[:2], a.shape[2] + b.shape[2], *a.shape[3:])
     return Packed(tensors, shape, a.dtype, dict(a.meta))
@@ -158,5 +160,6 @@ def check_kv_shape(x: torch.Tensor) -> None:
     """Raise a clear error unless ``x`` is ``(batch, kv_heads, tokens, head_dim)`` floating point."""
     if x.dim() != 4 or not x.is_floating_point():
         raise ValueError(
-            f"KV quantizers take a floating tensor of shape (batch, kv_heads, tokens, head_dim); got {tuple(x.shape)} {x.dtype}"
+            "KV quantizers take a floating tensor of shape (batch, kv_heads, tokens, head_dim); "
+            f"got {tuple(x.shape)} {x.dtype}"
         )

@@ -1,21 +1,15 @@
 """Lloyd-Max scalar codebooks for one coordinate of a uniformly random unit vector (TurboQuant).
 
-After a Haar-random rotation, each coordinate ``t`` of a unit vector in ``R^d`` has the density
-(TurboQuant, arXiv 2504.19874, Lemma 1)
+After a Haar-random rotation, each coordinate ``t`` of a unit vector in ``R^d`` has the density (TurboQuant, arXiv
+2504.19874, Lemma 1)
 
     f_d(t) = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2)) * (1 - t^2)^((d-3)/2),   t in [-1, 1],
 
-i.e. ``(t + 1) / 2 ~ Beta((d-1)/2, (d-1)/2)``; it tends to ``N(0, 1/d)``.  The codebook for ``b`` bits is
-the ``2^b``-level Lloyd-Max quantizer of that density.  Everything here is exact rather than sampled:
-
-* the mass of a cell ``[a, c]`` comes from the Beta CDF,
-* its first moment has the closed form ``int t f_d = -C_d/(d-1) (1-t^2)^((d-1)/2)``,
-* the distortion of a converged quantizer (centroid condition) is ``1/d - sum_k P_k c_k^2`` per coordinate,
-  so the unit-vector MSE ``D_mse = E||u - u_hat||^2 = 1 - d sum_k P_k c_k^2``.
-
-Codebooks are computed once per ``(d, b)``: cached in-process (``functools.lru_cache``) and on disk as plain
-``.npy`` float64 arrays under ``~/.cache/niah/codebooks`` (``$NIAH_CACHE`` overrides ``~/.cache/niah``;
-``NIAH_CODEBOOK_DISK_CACHE=0`` turns the disk cache off).  Files are read with ``allow_pickle=False``.
+i.e. ``(t + 1) / 2 ~ Beta((d-1)/2, (d-1)/2)``.  The codebook for ``b`` bits is the ``2^b``-level Lloyd-Max
+quantizer of that density, computed exactly rather than sampled (docs/design-notes.md#niah.kv.codebooks), once per
+``(d, b)``: cached in-process and on disk as plain ``.npy`` float64 arrays under ``~/.cache/niah/codebooks``
+(``$NIAH_CACHE`` overrides ``~/.cache/niah``; ``NIAH_CODEBOOK_DISK_CACHE=0`` turns the disk cache off), read with
+``allow_pickle=False``.
 """
 
 from __future__ import annotations

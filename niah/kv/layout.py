@@ -48,7 +48,12 @@ class CacheLayout:
         window = getattr(c, "sliding_window", None) if SLIDING in types else None
         linear = 0
         if LINEAR in types:  # Gated DeltaNet: a causal conv over q, k and v, and one d_k x d_v state per value head
-            nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+            nk, nv, dk, dv = (
+                c.linear_num_key_heads,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+            )
             linear = (2 * nk * dk + nv * dv) * c.linear_conv_kernel_dim + nv * dk * dv
         return cls(types, c.num_key_value_heads, head_dim, window, linear)
 

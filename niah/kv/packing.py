@@ -1,26 +1,15 @@
-"""Dense bit packing of small integer codes along the last dim.
+"""Dense bit packing of small integer codes along the last dim, in two layouts.
 
-Layout: the codes of a row form one little-endian bit stream.  Code ``i`` occupies stream bits
-``[i * bits, (i + 1) * bits)``, least significant bit first, and byte ``k`` holds stream bits
-``[8k, 8k + 8)``, also least significant first.  Concretely:
+:func:`pack_bits`: the codes of a row form one little-endian bit stream.  Code ``i`` occupies stream bits
+``[i * bits, (i + 1) * bits)``, least significant bit first, and byte ``k`` holds stream bits ``[8k, 8k + 8)``, also
+least significant first: for ``bits`` in {1, 2, 4, 8} byte ``j`` holds codes ``j*m .. j*m + m - 1``
+(``m = 8 // bits``), first code lowest (for 4 bits, ``byte = c[2j] | c[2j+1] << 4``); for ``bits = 3`` each run of
+8 codes is one 24-bit word ``c0 | c1 << 3 | ... | c7 << 21``, stored as 3 bytes, low byte first.  A row of ``n``
+codes is padded with zero codes to a whole number of groups (``8 // gcd(8, bits)`` codes), so it takes
+``ceil(n / group) * bytes_per_group`` bytes; :func:`unpack_bits` needs ``n`` to drop the padding.
 
-* ``bits`` in {1, 2, 4, 8}: byte ``j`` holds codes ``j*m .. j*m + m - 1`` (``m = 8 // bits``), the first code in
-  the lowest bits: ``byte = c[jm] | c[jm+1] << bits | ...``.  For 4 bits, ``byte = c[2j] | c[2j+1] << 4``.
-* ``bits = 3``: each run of 8 codes is one 24-bit word ``c0 | c1 << 3 | ... | c7 << 21``, stored as 3 bytes,
-  low byte first.
-
-A row of ``n`` codes is padded with zero codes to a whole number of such groups (``8 // gcd(8, bits)`` codes:
-8 for 1 and 3 bits, 4 for 2 bits, 2 for 4 bits, 1 for 8 bits), so it takes ``ceil(n / group) * bytes_per_group``
-bytes; :func:`unpack_bits` needs ``n`` to drop the padding.
-
-:func:`pack_planes` is a second layout, for the formats whose codes the CPU row kernels read in SIMD lanes
-(TurboQuant, KIVI, the sliding-window quantizer): bit planes.  The ``n`` codes of a row (``n`` a multiple of 8) form
-runs of ``m`` codes, ``m`` the
-largest of 32, 16 and 8 that divides ``n`` (:func:`plane_run`).  A run takes ``bits`` planes of ``m / 8`` bytes,
-plane ``k`` first; byte ``i`` of plane ``k`` holds bit ``k`` of codes ``8i .. 8i + 7`` of the run, code ``8i + s``
-at bit ``s``.  Read as a little-endian ``m``-bit integer, plane ``k`` holds bit ``k`` of code ``s`` at bit ``s``,
-so one shift per lane decodes a whole run.  The same ``n * bits / 8`` bytes as :func:`pack_bits`; for
-``bits = 1`` the two layouts are the same.
+:func:`pack_planes`: bit planes, for the formats whose codes the CPU row kernels read in SIMD lanes (TurboQuant,
+KIVI, the sliding-window quantizer); its docstring gives the layout.
 """
 
 from __future__ import annotations
@@ -79,7 +68,15 @@ def plane_run(n: int) -> int:
 
 def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codes: uint8 (..., n)``, ``n`` a multiple of 8, every value ``< 2**bits`` (not checked) ->
-    ``uint8 (..., n * bits / 8)`` in the bit-plane layout of the module docstring."""
+    ``uint8 (..., n * bits / 8)`` in bit planes.
+
+    The ``n`` codes of a row form runs of ``m`` codes, ``m`` the largest of 32, 16 and 8 that divides ``n``
+    (:func:`plane_run`).  A run takes ``bits`` planes of ``m / 8`` bytes, plane ``k`` first; byte ``i`` of plane
+    ``k`` holds bit ``k`` of codes ``8i .. 8i + 7`` of the run, code ``8i + s`` at bit ``s``.  Read as a
+    little-endian ``m``-bit integer, plane ``k`` holds bit ``k`` of code ``s`` at bit ``s``, so one shift per lane
+    decodes a whole run.  The same ``n * bits / 8`` bytes as :func:`pack_bits`; for ``bits = 1`` the two layouts
+    are the same.
+    """
     _layout(bits)
     run = plane_run(codes.shape[-1])
     if bits <= 4 and rowkernels.usable(codes):  # numba, one pass: several times faster than the ops below

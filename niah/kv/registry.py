@@ -1,26 +1,14 @@
-"""Names -> KV methods.
+"""Names -> KV methods: the registry of quantizers, the grammar of a method name, and each method's layer policy.
 
-A method name is either a registered quantizer name used for keys and values alike
-(``q8_0``, ``turbo3``), a name registered as ``<name>_key`` and ``<name>_value`` for methods that treat
-keys and values differently (``kivi2``: per-channel keys, per-token values), or ``k<spec>v<spec>`` with separate key and
-value settings, where each
-spec is a registered name or a bare bit width that maps through ``BITS_ALIAS``
-(``k8v4`` = keys ``q8_0``, values ``q4_0``; ``kq8_0vturbo3`` also works).
-
-A name may end in modifiers, ``+`` before each, and a read mode after ``@``:
-``<method>[+centred][+keys|+values][+full|+sliding|+all_layers][@strict|@engine]``
-
-* ``+centred``: key centring (:class:`~niah.kv.methods.centred.Centred`), the per-head channel mean of the first
-  stored keys taken out before coding and stored once in fp16;
-* ``+keys`` / ``+values``: only that side is stored with the method, the other at fp16 (where the loss comes from);
-* ``+full`` / ``+sliding``: only that attention layer type is stored with the method, the other at fp16 (boundary
-  layers of the method's policy are still kept); ``+all_layers``: no layer policy, every attention layer stored;
-* ``@engine``: the cache is read as vLLM reads it (raw keys and values within a prompt's first chunk, and within a
-  later chunk of more than 128 tokens; :mod:`niah.kv.cache`); ``@strict`` (the default): every read is quantized.
-
-A method's :class:`LayerPolicy` says which attention layers it stores; the others are kept at fp16.  This repo's
-own methods store every layer; vLLM's TurboQuant presets keep the first and last two layers of a dense model and
-every sliding-window layer (:data:`~niah.kv.methods.turboquant_vllm.VLLM_LAYERS`).
+A name is ``<method>[+centred][+keys|+values][+full|+sliding|+all_layers][@strict|@engine]``.  ``<method>`` is a
+registered quantizer used for keys and values alike (``q8_0``, ``turbo3``), a pair registered as ``<name>_key`` and
+``<name>_value`` (``kivi2``: per-channel keys, per-token values), or ``k<spec>v<spec>``, each spec a registered name
+or a bit width of ``BITS_ALIAS`` (``k8v4`` = keys ``q8_0``, values ``q4_0``; ``kq8_0vturbo3``).  ``+centred`` centres
+keys (:class:`~niah.kv.methods.centred.Centred`); ``+keys`` / ``+values`` store only that side with the method, the
+other at fp16; ``+full`` / ``+sliding`` only that attention layer type (the policy's boundary layers still kept);
+``+all_layers`` drops the layer policy.  ``@strict`` (the default) quantizes every read; ``@engine`` reads as vLLM
+does (:mod:`niah.kv.cache`).  A method's :class:`LayerPolicy` says which attention layers it stores; the others are
+kept at fp16.  See docs/kv-methods.md and docs/design-notes.md#niah.kv.registry.
 """
 
 from __future__ import annotations
@@ -53,8 +41,8 @@ class LayerPolicy:
     sliding: bool = True
 
     def stores(self, layer_idx: int, kind: str, layers: int, hybrid: bool) -> bool:
-        """Whether decoder layer ``layer_idx`` of type ``kind`` (of ``layers``; ``hybrid``: the model has linear-attention layers)
-        is stored with the method."""
+        """Whether decoder layer ``layer_idx`` of type ``kind`` (of ``layers``; ``hybrid``: the model has
+        linear-attention layers) is stored with the method."""
         if (kind == FULL and not self.full) or (kind == SLIDING and not self.sliding):
             return False
         n = 0 if hybrid else min(self.boundary, layers // 2)
@@ -178,7 +166,7 @@ def _core_method(name: str) -> KVMethod:
     if f"{name}_key" in _FACTORIES:
         return KVMethod(name, _FACTORIES[f"{name}_key"](), _FACTORIES[f"{name}_value"]())
     m = re.fullmatch(r"k(.+?)v(.+)", name)
-    if m and not name.startswith("kivi"):
+    if m and not name.startswith("kivi"):  # an unknown kivi name (kivi3) is not k"i"v"i3"
         return KVMethod(name, _one(m.group(1), name), _one(m.group(2), name))
     _one(name, name)  # raises with the list of choices
     raise AssertionError("unreachable")

@@ -10,7 +10,8 @@ from .stats import paired_table, wilson_interval
 
 
 def summarize(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    """Per group: trials ``n``, ``accuracy`` (mean score) with its 95% Wilson interval, and means of the continuous scores.
+    """Per group: trials ``n``, ``accuracy`` (mean score) with its 95% Wilson interval, and means of the continuous
+    scores.
 
     Only rows with status ``ok`` count; ``not_ok`` says how many cells failed (too long, out of memory, error).
     """
@@ -79,7 +80,7 @@ def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
     """Dominant period and peak-to-trough amplitude of each memory trace (claim S0-10)."""
     rows = []
     for _, r in sweep[sweep["status"] == "ok"].iterrows():
-        if len(r["trace_t"]) < 8:
+        if len(r["trace_t"]) < 8:  # too few samples for dominant_period (it raises): leave the trace out
             continue
         osc = dominant_period(r["trace_t"], r["trace_bytes"])
         rows.append(
@@ -96,7 +97,8 @@ def breathing(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 def kv_value_share(lm, cfg: Config, tokens: int = 2048, bound: float = 6.0) -> float:
-    """Share of the real model's K and V values within [-bound, bound] over a ``tokens``-token pydoc prefill (claim S0-8)."""
+    """Share of the real model's K and V values within [-bound, bound] over a ``tokens``-token pydoc prefill
+    (claim S0-8)."""
     # heavy: the prefill loads transformers, for claim S0-8 only
     from ..data.haystack import haystack_text, tokenize_haystack
     from ..experiments.protocol import context_states, prefill
@@ -122,10 +124,15 @@ def accuracy_table(df: pd.DataFrame, ref: str = "fp16") -> pd.DataFrame:
 
 
 def method_table(df: pd.DataFrame, ref: str = "fp16") -> pd.DataFrame:
-    """Per method over all cells: accuracy (Wilson), log-prob, KL, top-1, and the stored bytes per token next to the format's bits."""
+    """Per method over all cells: accuracy (Wilson), log-prob, KL, top-1, and the stored bytes per token next to the
+    format's bits."""
     ok = df[df["status"] == "ok"].assign(bytes_per_token=lambda d: d["kv_bytes"] / d["context_tokens"])
     s = summarize(df, ["method"])
-    extra = ok.groupby("method").agg(bytes_per_token=("bytes_per_token", "mean"), analytical_bits=("analytical_bits", "mean")).reset_index()
+    extra = (
+        ok.groupby("method")
+        .agg(bytes_per_token=("bytes_per_token", "mean"), analytical_bits=("analytical_bits", "mean"))
+        .reset_index()
+    )
     s = s.merge(extra, on="method")
     s["bytes_vs_ref"] = s["bytes_per_token"] / float(s.loc[s["method"] == ref, "bytes_per_token"].iloc[0])
     cols = [

@@ -27,7 +27,9 @@ def run_dir(config: str, run_root: Path | None = None) -> Path:
     return (run_root or ROOT / "papermill_runs") / load_config(config).name
 
 
-def reproduce(config: str, only: list[str] | None = None, run_root: Path | None = None, figures_root: Path | None = None) -> dict:
+def reproduce(
+    config: str, only: list[str] | None = None, run_root: Path | None = None, figures_root: Path | None = None
+) -> dict:
     """Execute every notebook (or those whose names start with ``only``) for ``config``; return wall times
     (also written to ``timing.json``, or ``timing_partial.json`` for an ``only`` run).  A full run that resumes
     interrupted ones adds their seconds (``interrupted_runs_s``, ``total_with_interrupted``).
@@ -41,7 +43,8 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
     unknown = [o for o in only or [] if not any(nb.name.startswith(o) for nb in chain())]
     if unknown:
         raise FileNotFoundError(
-            f"no notebook starts with {', '.join(map(repr, unknown))}: choose among {', '.join(nb.name[:2] for nb in chain())}"
+            f"no notebook starts with {', '.join(map(repr, unknown))}: "
+            f"choose among {', '.join(nb.name[:2] for nb in chain())}"
         )
     name = cfg.name
     out = (run_root or ROOT / "papermill_runs") / name
@@ -55,14 +58,19 @@ def reproduce(config: str, only: list[str] | None = None, run_root: Path | None 
             continue
         print(f"[reproduce {config}] {nb.name}", flush=True)
         t0 = time.perf_counter()
-        papermill.execute_notebook(str(nb), str(out / nb.name), parameters=params, cwd=str(NOTEBOOKS), progress_bar=False, log_output=True)
+        papermill.execute_notebook(
+            str(nb), str(out / nb.name), parameters=params, cwd=str(NOTEBOOKS), progress_bar=False, log_output=True
+        )
         times[nb.name] = round(time.perf_counter() - t0, 1)
     target = out / ("timing_partial.json" if only else "timing.json")  # a partial rerun never overwrites the chain's
     if only and target.exists():  # partial runs add up: each notebook's latest time
         times = {**{k: v for k, v in json.loads(target.read_text()).items() if k != "total"}, **times}
     times["total"] = round(sum(v for k, v in times.items() if k != "total"), 1)
     if interrupted:  # what the chain cost in all: the runs that were cut off, then resumed by this one
-        times |= {"interrupted_runs_s": interrupted, "total_with_interrupted": round(times["total"] + sum(interrupted), 1)}
+        times |= {
+            "interrupted_runs_s": interrupted,
+            "total_with_interrupted": round(times["total"] + sum(interrupted), 1),
+        }
     target.write_text(json.dumps(times, indent=1))
     if not only:
         (out / ATTEMPT).unlink(missing_ok=True)
@@ -84,7 +92,10 @@ def _interrupted_runs(out: Path) -> list[float]:
     if attempt.exists():
         try:
             earlier = json.loads(attempt.read_text())
-            last = max([attempt.stat().st_mtime] + [(out / nb.name).stat().st_mtime for nb in chain() if (out / nb.name).exists()])
+            last = max(
+                [attempt.stat().st_mtime]
+                + [(out / nb.name).stat().st_mtime for nb in chain() if (out / nb.name).exists()]
+            )
             runs = [*earlier.get("interrupted_runs_s", []), round(max(0.0, last - earlier["started"]), 1)]
         except (ValueError, KeyError, OSError):
             runs = []  # an unreadable record: the wall time covers this run only
@@ -110,7 +121,11 @@ def report(config: str, run_root: Path | None = None) -> Path:
     merged.metadata["title"] = f"Needle retrieval under KV and weight quantization: config {config}"
     if gaps:
         warnings.warn(f"the report of {config} is incomplete: {'; '.join(gaps)}", stacklevel=2)
-        banner = "**This report is incomplete.** " + "; ".join(gaps) + f". Rerun `make reproduce CONFIG={config}` to finish the chain."
+        banner = (
+            "**This report is incomplete.** "
+            + "; ".join(gaps)
+            + f". Rerun `make reproduce CONFIG={config}` to finish the chain."
+        )
         merged.cells.append(nbformat.v4.new_markdown_cell(banner))
     for nb in notebooks.values():
         merged.cells.extend(_without_progress_bars(c) for c in nb.cells)

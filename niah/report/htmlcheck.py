@@ -36,7 +36,8 @@ window.addEventListener('load', () => {
 
 
 PRINT_WIDTH_PX = 1047  # A4 landscape less 10 mm margins at 96 px per inch: the width report.pdf prints tables at
-# The report's print layout: A4 landscape, small table text, and cells that wrap long names instead of running off the page
+# The report's print layout: A4 landscape, small table text, and cells that wrap long names instead of running off
+# the page
 PRINT_STYLE = """<style>
 @page { size: A4 landscape; margin: 10mm; }
 table { font-size: 8pt; max-width: 100%; }
@@ -54,12 +55,21 @@ def find_browser() -> str:
         if path:
             return path
     raise ReportCheckError(
-        f"no headless browser found (looked for {', '.join(BROWSERS)}): install Debian's `chromium` (apt-get install chromium)"
+        f"no headless browser found (looked for {', '.join(BROWSERS)}): "
+        "install Debian's `chromium` (apt-get install chromium)"
     )
 
 
 def _chromium(browser: str, *args: str, timeout: int = 120) -> str:
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars", *args]
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        *args,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise ReportCheckError(f"{' '.join(cmd[:2])} ... failed ({done.returncode}): {done.stderr[-500:]}")
@@ -73,13 +83,19 @@ def rendered(report: Path, browser: str | None = None) -> dict:
     probe.write_text(report.read_text(encoding="utf-8").replace("</body>", _PROBE + "</body>"), encoding="utf-8")
     try:
         dom = _chromium(
-            browser, f"--window-size={PRINT_WIDTH_PX},1400", "--virtual-time-budget=20000", "--dump-dom", probe.resolve().as_uri()
+            browser,
+            f"--window-size={PRINT_WIDTH_PX},1400",
+            "--virtual-time-budget=20000",
+            "--dump-dom",
+            probe.resolve().as_uri(),
         )
     finally:
         probe.unlink()
     found = re.search(r'<pre id="niah-report-check">(.*?)</pre>', dom, re.S)
     if not found:
-        raise ReportCheckError("Chromium rendered the report but the check script did not run (page did not finish loading)")
+        raise ReportCheckError(
+            "Chromium rendered the report but the check script did not run (page did not finish loading)"
+        )
     return json.loads(html.unescape(found.group(1)))
 
 
@@ -91,12 +107,19 @@ def check_report(report: Path, claim_ids: list[str], min_figures: int, browser: 
     seen = rendered(report, browser)
     problems = []
     if seen["wide"]:
-        problems.append(f"{seen['wide']} table(s) wider than the printed page ({PRINT_WIDTH_PX} px): report.pdf would cut them")
+        problems.append(
+            f"{seen['wide']} table(s) wider than the printed page ({PRINT_WIDTH_PX} px): report.pdf would cut them"
+        )
     if seen["decoded"] < min_figures:
         problems.append(f"{seen['decoded']} figures rendered, expected at least {min_figures}")
     if seen["decoded"] < seen["images"]:
         problems.append(f"{seen['images'] - seen['decoded']} of {seen['images']} images did not decode")
-    ledgers = [t for t in seen["tables"] if sum(re.search(rf"\b{re.escape(c)}\b", t) is not None for c in claim_ids) > len(claim_ids) // 2]
+    # the ledger is the table naming most claim IDs; another table may cite a few of them
+    ledgers = [
+        t
+        for t in seen["tables"]
+        if sum(re.search(rf"\b{re.escape(c)}\b", t) is not None for c in claim_ids) > len(claim_ids) // 2
+    ]
     if not ledgers:
         problems.append("no claims ledger table")
     else:
@@ -110,4 +133,10 @@ def check_report(report: Path, claim_ids: list[str], min_figures: int, browser: 
     pdf, png = report.with_suffix(".pdf"), report.with_suffix(".png")
     _chromium(browser, f"--print-to-pdf={pdf.resolve()}", "--no-pdf-header-footer", report.resolve().as_uri())
     _chromium(browser, f"--screenshot={png.resolve()}", "--window-size=1280,2000", report.resolve().as_uri())
-    return {"figures": seen["decoded"], "tables": len(seen["tables"]), "headings": seen["headings"], "pdf": str(pdf), "png": str(png)}
+    return {
+        "figures": seen["decoded"],
+        "tables": len(seen["tables"]),
+        "headings": seen["headings"],
+        "pdf": str(pdf),
+        "png": str(png),
+    }

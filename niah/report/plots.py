@@ -25,9 +25,17 @@ def needle_heatmap(df: pd.DataFrame, method: str, ax=None, title: str | None = N
         grid = grid - heatmap_frame(df, diff_from)
     ax = ax or plt.subplots(figsize=(1.1 * grid.shape[1] + 2.5, 0.5 * grid.shape[0] + 1.8))[1]
     kwargs = dict(vmin=-1, vmax=1, cmap="RdBu", center=0) if diff_from else dict(vmin=0, vmax=1, cmap="RdYlGn")
-    labels = grid.map(lambda v: "" if pd.isna(v) else f"{v:.2f}") + n.map(lambda k: "" if pd.isna(k) else f"\nn={int(k)}")
+    labels = grid.map(lambda v: "" if pd.isna(v) else f"{v:.2f}") + n.map(
+        lambda k: "" if pd.isna(k) else f"\nn={int(k)}"
+    )
     sns.heatmap(
-        grid, ax=ax, annot=labels, fmt="", linewidths=0.5, cbar_kws={"label": "accuracy" + (" difference" if diff_from else "")}, **kwargs
+        grid,
+        ax=ax,
+        annot=labels,
+        fmt="",
+        linewidths=0.5,
+        cbar_kws={"label": "accuracy" + (" difference" if diff_from else "")},
+        **kwargs,
     )
     ax.set_yticklabels([f"{d:.0%}" for d in grid.index], rotation=0)
     ax.set_xlabel("context length (tokens)")
@@ -64,7 +72,9 @@ def sweep_curves(sweep: pd.DataFrame, fits: pd.DataFrame):
         line = axes[0].plot(part["length"], part["kv_bytes"] / 2**20, "o-", ms=3, label=f"{method} (R²={r2:.4f})")[0]
         axes[1].plot(part["length"], part["ttft_s"], "o-", ms=3, color=line.get_color(), label=method)
         axes[2].plot(part["length"], 1e3 * part["tpot_median_s"], "o-", ms=3, color=line.get_color(), label=method)
-        axes[2].fill_between(part["length"], 1e3 * part["tpot_median_s"], 1e3 * part["tpot_p90_s"], color=line.get_color(), alpha=0.15)
+        axes[2].fill_between(
+            part["length"], 1e3 * part["tpot_median_s"], 1e3 * part["tpot_p90_s"], color=line.get_color(), alpha=0.15
+        )
     labels = ("stored KV cache (MiB)", "TTFT: prefill + quantize (s)", "TPOT median, band to p90 (ms)")
     for ax, label in zip(axes, labels):
         _mark_lengths(ax, ok["length"])
@@ -96,7 +106,9 @@ def quality_vs_bits(summary: pd.DataFrame):
     for _, r in summary.iterrows():
         for ax, col in zip(axes, ("accuracy", "kl_vs_ref")):
             ax.scatter(r["bits_per_value"], r[col], s=30)
-            ax.annotate(r["method"], (r["bits_per_value"], r[col]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                r["method"], (r["bits_per_value"], r[col]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
     axes[0].errorbar(
         summary["bits_per_value"],
         summary["accuracy"],

@@ -40,7 +40,9 @@ def mcnemar_exact(ref_correct, other_correct) -> dict:
     return {"losses": losses, "gains": gains, "p": float(p)}
 
 
-def paired_bootstrap(diff, seed: int = 0, resamples: int = BOOTSTRAP, level: float = 0.95) -> tuple[float, float, float]:
+def paired_bootstrap(
+    diff, seed: int = 0, resamples: int = BOOTSTRAP, level: float = 0.95
+) -> tuple[float, float, float]:
     """(mean, low, high): the mean of per-question differences ``diff`` and its percentile bootstrap interval."""
     d = np.asarray(diff, float)
     if not len(d):
@@ -91,10 +93,13 @@ def paired_table(df, ref: str = "fp16", by: tuple[str, ...] = ("length",), seed:
             if not len(both):
                 continue
             mine, theirs = g.loc[both], refs.loc[both]
+            # right means every expected value was found (string_match_all == 1), so partial credit is wrong here
             correct, ref_correct = mine["score"].to_numpy() >= 1.0, theirs["score"].to_numpy() >= 1.0
             lo, hi = wilson_interval(correct.sum(), len(correct))
             test = mcnemar_exact(ref_correct, correct)
-            d, dlo, dhi = paired_bootstrap(mine["answer_logprob"].to_numpy() - theirs["answer_logprob"].to_numpy(), seed)
+            d, dlo, dhi = paired_bootstrap(
+                mine["answer_logprob"].to_numpy() - theirs["answer_logprob"].to_numpy(), seed
+            )
             group = group if isinstance(group, tuple) else (group,)
             rows.append(
                 {

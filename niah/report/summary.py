@@ -50,21 +50,27 @@ def machine_line(env: dict) -> str:
     if not env:
         return "not recorded"
     gpus = ", ".join(g.get("name", "GPU") + _driver(g) for g in env.get("gpus", [])) or "no GPU"
-    return f"{env.get('cpu', '?')}{_simd(env)}, {env.get('cpu_count', '?')} cores, {env.get('memory_gib', '?')} GiB, {gpus}"
+    return (
+        f"{env.get('cpu', '?')}{_simd(env)}, {env.get('cpu_count', '?')} cores, "
+        f"{env.get('memory_gib', '?')} GiB, {gpus}"
+    )
 
 
 def _header(run: RunDir, ok: pd.DataFrame) -> str:
     env = json.loads((run.path / "environment.json").read_text()) if (run.path / "environment.json").exists() else {}
     machine = machine_line(env)
     partial = run.path / "timing_partial.json"
-    source = run.timing if run.timing.exists() else partial
+    source = run.timing if run.timing.exists() else partial  # no full chain yet: the `--only` runs' sum
     timing = json.loads(source.read_text()) if source.exists() else {}
     how = "" if source == run.timing else ", summed over separate `--only` runs"
     per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in sorted(timing.items()) if k.endswith(".ipynb"))
     wall = f"{timing['total'] / 60:.1f} min of notebooks ({per_nb}{how})" if timing else "not recorded (no timing.json)"
     if timing.get("interrupted_runs_s"):
         cut = timing["interrupted_runs_s"]
-        wall += f", after {len(cut)} interrupted run(s) of {sum(cut) / 60:.1f} min: {timing['total_with_interrupted'] / 60:.1f} min in all"
+        wall += (
+            f", after {len(cut)} interrupted run(s) of {sum(cut) / 60:.1f} min: "
+            f"{timing['total_with_interrupted'] / 60:.1f} min in all"
+        )
     return (
         f"Config `{run.cfg.name}`, model {ok['model'].iloc[0]}, commit {ok['git_commit'].iloc[0]}, "
         f"last row {ok['time'].max()}; machine: {machine}; chain wall time: {wall}."
@@ -79,12 +85,15 @@ def _paired(ok: pd.DataFrame, ref: str) -> pd.DataFrame:
             "method": t["method"],
             "length": t["length"],
             "n": t["n"],
-            "accuracy": [f"{a:.2f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(t["accuracy"], t["ci_low"], t["ci_high"])],
+            "accuracy": [
+                f"{a:.2f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(t["accuracy"], t["ci_low"], t["ci_high"])
+            ],
             "fp16": t["ref_accuracy"].round(2),
             "losses/gains": [f"{a}/{b}" for a, b in zip(t["losses"], t["gains"])],
             "McNemar p": t["p"].map(lambda p: f"{p:.3g}"),
             "log-prob diff [95%]": [
-                f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" for d, lo, hi in zip(t["logprob_diff"], t["logprob_low"], t["logprob_high"])
+                f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+                for d, lo, hi in zip(t["logprob_diff"], t["logprob_low"], t["logprob_high"])
             ],
             "min detectable drop": t["min_detectable_drop"].round(2),
         }
@@ -98,7 +107,9 @@ def _perplexity(rows: pd.DataFrame, ref: str) -> pd.DataFrame:
             "method": t["method"],
             "windows": t["windows"],
             "bits/value": t["bits_per_value"].round(2),
-            f"ppl vs {ref} [95%]": [f"{r:.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in zip(t["ppl_vs_ref"], t["ci_low"], t["ci_high"])],
+            f"ppl vs {ref} [95%]": [
+                f"{r:.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in zip(t["ppl_vs_ref"], t["ci_low"], t["ci_high"])
+            ],
             "KL": t["kl_vs_ref"].map(lambda k: f"{k:.3g}"),
             "top-1": t["top1_vs_ref"].round(3),
         }
@@ -111,7 +122,9 @@ def _ledger_counts(run: RunDir) -> str:
         return "not written (notebook 05 did not run)"
     verdicts = pd.read_csv(csv)["verdict"].fillna("").map(lambda v: re.split(r"[ (]", v.strip())[0] or "?")
     counts = verdicts.value_counts()
-    return ", ".join(f"{counts[v]} {v}" for v in ("supported", "refuted", "partly", "inconclusive", "untestable") if v in counts)
+    return ", ".join(
+        f"{counts[v]} {v}" for v in ("supported", "refuted", "partly", "inconclusive", "untestable") if v in counts
+    )
 
 
 def _weights_parts(cfg: Config, run: RunDir) -> list[str]:
@@ -125,21 +138,24 @@ def _weights_parts(cfg: Config, run: RunDir) -> list[str]:
         cols = ["weights", "kv", "length", "n", "accuracy", "ci_low", "ci_high", "losses", "gains", "p"]
         cols += ["logprob_diff", "logprob_low", "logprob_high"]
         parts += [
-            "\n**Weights x KV cache** (notebook 01; the battery's questions, each cell against fp32 weights + fp16 cache on the "
+            "\n**Weights x KV cache** (notebook 01; the battery's questions, "
+            "each cell against fp32 weights + fp16 cache on the "
             "same questions: McNemar's exact p, answer log-prob difference with a paired bootstrap interval):\n",
             table[cols].round(3).to_markdown(index=False),
         ]
         inter = interaction_table(rows, cfg.seed)
         if len(inter):
             parts += [
-                "\n**Interaction**: the KV method's answer log-prob cost on the scheme's weights minus its cost on fp32 "
+                "\n**Interaction**: the KV method's answer log-prob cost on the scheme's weights "
+                "minus its cost on fp32 "
                 "(difference-in-differences, paired bootstrap), and the same for accuracy:\n",
                 inter.round(3).to_markdown(index=False),
             ]
     check = run.path / "weightquant_autoround_check.csv"
     if check.exists():
         parts += [
-            "\n**AutoRound against round-to-nearest** (W4A16 on the first blocks only, the rest fp32; held-out perplexity):\n",
+            "\n**AutoRound against round-to-nearest** "
+            "(W4A16 on the first blocks only, the rest fp32; held-out perplexity):\n",
             pd.read_csv(check).round(4).to_markdown(index=False),
         ]
     return parts
@@ -152,23 +168,27 @@ def summary_markdown(cfg: Config, folder: str | Path | None = None) -> str:
     ref = cfg.niah.reference
     parts = [
         _header(run, ok),
-        f"\n**Needle accuracy** per method and length (95% Wilson interval, n questions; {cfg.niah.needle['kind']} needles):\n",
+        "\n**Needle accuracy** per method and length "
+        f"(95% Wilson interval, n questions; {cfg.niah.needle['kind']} needles):\n",
         accuracy_table(rows, ref).to_markdown(),
-        f"\n**Against {ref} on the same questions**: McNemar's exact test on the paired right/wrong outcomes, the answer "
+        f"\n**Against {ref} on the same questions**: "
+        "McNemar's exact test on the paired right/wrong outcomes, the answer "
         "log-prob difference with a paired bootstrap interval, and the smallest drop this n can detect:\n",
         _paired(ok, ref).to_markdown(index=False),
     ]
     modes = read_mode_table(ok)
     if len(modes):
         parts += [
-            "\n**Read modes**: each method asked both `strict` and `@engine`, the engine read paired against the strict one "
+            "\n**Read modes**: each method asked both `strict` and `@engine`, "
+            "the engine read paired against the strict one "
             "on the same questions (losses/gains: engine's), with the mean KL of each against the reference:\n",
             modes.round(4).to_markdown(index=False),
         ]
     ppl = run.rows("kv_perplexity")
     if len(ppl) and ref in set(ppl.loc[ppl["status"] == "ok", "method"]):
         parts += [
-            f"\n**Perplexity through the stored cache** (held-out text scored over each method's stored context; ratio to {ref} "
+            "\n**Perplexity through the stored cache** "
+            f"(held-out text scored over each method's stored context; ratio to {ref} "
             "with a 95% bootstrap interval over windows, KL against it):\n",
             _perplexity(ppl, ref).to_markdown(index=False),
         ]
@@ -181,14 +201,19 @@ def summary_markdown(cfg: Config, folder: str | Path | None = None) -> str:
     lcpp = run.rows("llamacpp")
     if len(lcpp) and (lcpp["status"] == "ok").any():
         parts += [
-            "\n**llama.cpp side by side**: its own caches on the same GGUF file and token ids, against this repo's emulation "
-            "of each format (`_norot`: without llama.cpp's Hadamard rotation), then its speed and session state per cache:\n",
+            "\n**llama.cpp side by side**: its own caches on the same GGUF file and token ids, "
+            "against this repo's emulation "
+            "of each format (`_norot`: without llama.cpp's Hadamard rotation), "
+            "then its speed and session state per cache:\n",
             agreement_table(lcpp, ok).round(3).to_markdown(index=False),
             "",
             speed_table(lcpp).round(3).to_markdown(index=False),
         ]
     parts += _weights_parts(cfg, run)
-    parts += [f"\n**Claims ledger**: {_ledger_counts(run)} (of the claims in `claims/claims.yaml`; the report has each verdict)."]
+    parts += [
+        f"\n**Claims ledger**: {_ledger_counts(run)} "
+        "(of the claims in `claims/claims.yaml`; the report has each verdict)."
+    ]
     return "\n".join(parts) + "\n"
 
 

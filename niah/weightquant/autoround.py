@@ -65,7 +65,8 @@ def scheme(bits: int, group: int, sym: bool, act_bits: int = 16, preset: str | N
             raise UnsupportedScheme(
                 f"auto-round {version()} has no scheme {preset!r}. Its presets: {', '.join(sorted(table))}; "
                 f"those with 4-bit weights and 8-bit activations: {', '.join(w4a8_presets(table)) or 'none'}. "
-                "A custom scheme is scheme(bits, group, sym, act_bits=...); w4a8_offer() shows what the library can save of one."
+                "A custom scheme is scheme(bits, group, sym, act_bits=...); "
+                "w4a8_offer() shows what the library can save of one."
             )
         return preset_name_to_scheme(preset)
     act = (
@@ -88,7 +89,9 @@ def _autoround(model, tokenizer, windows: torch.Tensor, sch, iters: int, batch_s
     from auto_round import AutoRound  # heavy: auto_round loads transformers, when it runs only
 
     if windows.shape[0] < 1 or windows.shape[1] < 2:
-        raise ValueError(f"AutoRound needs calibration windows (samples, seqlen) with seqlen >= 2; got {tuple(windows.shape)}")
+        raise ValueError(
+            f"AutoRound needs calibration windows (samples, seqlen) with seqlen >= 2; got {tuple(windows.shape)}"
+        )
     return AutoRound(
         model,
         tokenizer=tokenizer,
@@ -97,7 +100,9 @@ def _autoround(model, tokenizer, windows: torch.Tensor, sch, iters: int, batch_s
         nsamples=len(windows),
         seqlen=windows.shape[1],
         batch_size=min(batch_size, len(windows)),
-        dataset=[{"input_ids": w[None], "attention_mask": None} if _has_linear_attention(model) else w[None] for w in windows],
+        dataset=[
+            {"input_ids": w[None], "attention_mask": None} if _has_linear_attention(model) else w[None] for w in windows
+        ],
         device_map="cpu",
         amp=amp,
         seed=seed,
@@ -116,16 +121,19 @@ def _codes(layer: torch.nn.Linear, bits: int, group: int, sym: bool) -> QWeight:
         lo, hi = -zero, 2**bits - 1 - zero
     q = torch.maximum(torch.minimum(torch.round(x), hi[..., None]), lo[..., None])
     off_grid = float((x - q).abs().max())
-    if off_grid > 0.1:
-        raise RuntimeError(f"auto-round's weight is {off_grid:.3f} steps off its int grid: its result layout has changed")
+    if off_grid > 0.1:  # rounding noise is far below a tenth of a step; more means another grid, not noise
+        raise RuntimeError(
+            f"auto-round's weight is {off_grid:.3f} steps off its int grid: its result layout has changed"
+        )
     codes = (q - lo[..., None]).to(torch.uint8)
     zero = zero.to(torch.uint8) if zero is not None else None
     return QWeight(codes, layer.scale.detach().half().reshape(scale.shape), zero, bits)
 
 
 def first_blocks(model, blocks: int):
-    """A copy of ``model`` with only its first ``blocks`` decoder layers (the layer-type pattern cut to match).  AutoRound
-    tunes a block on the outputs of the blocks before it, so the copy's blocks tune as they would in the whole model."""
+    """A copy of ``model`` with only its first ``blocks`` decoder layers (the layer-type pattern cut to match).
+    AutoRound tunes a block on the outputs of the blocks before it, so the copy's blocks tune as they would in the
+    whole model."""
     base = model.base_model
     layers = base.layers
     if not 1 <= blocks <= len(layers):
@@ -160,7 +168,8 @@ def calibrate(
     ``windows: (samples, seqlen)`` token ids of the calibration split, passed as tensors (auto-round tokenizes
     nothing and downloads nothing).  ``amp=False`` tunes in fp32; auto-round's CPU default (``amp=True``) casts the
     model to bf16, which this kind of CPU only emulates.  Returns the packed layers and a record of the run:
-    iterations, samples, sequence length, wall seconds, this process's resident memory at the start and its peak, version.
+    iterations, samples, sequence length, wall seconds, this process's resident memory at the start and its peak,
+    version.
     ``blocks``: tune only the first ``blocks`` decoder layers (:func:`first_blocks`); the others are not returned.
     """
     sch = scheme(bits, group, sym)
@@ -175,10 +184,13 @@ def calibrate(
     linears = {n: m for n, m in decoder_linears(work).items() if n in ours}  # not the expert linears auto-round unfused
     if set(linears) != ours:
         raise RuntimeError(f"auto-round replaced decoder linears with other modules: {sorted(ours - set(linears))[:3]}")
-    skipped = sorted(n for n, m in linears.items() if not hasattr(m, "scale"))  # auto-round leaves some (Qwen3.5's gates) alone
+    # auto-round leaves some (Qwen3.5's gates) alone
+    skipped = sorted(n for n, m in linears.items() if not hasattr(m, "scale"))
     layers = {
         n: PackedLinear.from_qweight(
-            _codes(m, bits, group, sym) if n not in skipped else quantize_weight(m.weight.detach().float(), bits, group, sym),
+            _codes(m, bits, group, sym)
+            if n not in skipped
+            else quantize_weight(m.weight.detach().float(), bits, group, sym),
             (m.out_features, m.in_features),
             group,
         )
@@ -197,7 +209,8 @@ def calibrate(
         "peak_rss_bytes": max(mem.values, default=0),
         "tuned_in": str(next(work.parameters()).dtype),
         "blocks": blocks,
-        "rtn_layers": skipped,  # decoder linears auto-round did not tune: round-to-nearest codes, so that every one is 4-bit
+        # decoder linears auto-round did not tune: round-to-nearest codes, so that every one is 4-bit
+        "rtn_layers": skipped,
     }
     return layers, record
 
@@ -240,7 +253,16 @@ def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compr
     log.addHandler(capture)
     written, error = {}, ""
     try:
-        ar = _autoround(tiny, bytetok.ByteTokenizer(), windows, scheme(4, 64, True, act_bits=8), iters=1, batch_size=2, amp=True, seed=0)
+        ar = _autoround(
+            tiny,
+            bytetok.ByteTokenizer(),
+            windows,
+            scheme(4, 64, True, act_bits=8),
+            iters=1,
+            batch_size=2,
+            amp=True,
+            seed=0,
+        )
         ar.quantize()
         for fmt in formats:
             written[fmt] = _save_as(ar, fmt)
@@ -251,7 +273,9 @@ def w4a8_offer(formats: tuple[str, ...] = ("auto_round", "auto_gptq", "llm_compr
     return {
         "auto_round_version": version(),
         "presets_w4a8": w4a8_presets(table),
-        "presets_with_int8_activations": [n for n, s in table.items() if s.get("act_bits") == 8 and s.get("data_type") == "int"],
+        "presets_with_int8_activations": [
+            n for n, s in table.items() if s.get("act_bits") == 8 and s.get("data_type") == "int"
+        ],
         "custom_w4a8_accepted": not error,
         "custom_w4a8_error": error,
         "formats_written": written,
@@ -273,5 +297,13 @@ def _save_as(ar, fmt: str) -> str:
 def _written_format(folder: Path) -> str:
     """``packed`` if a saved checkpoint holds integer weight tensors (``qweight``), else ``fake``."""
     names = [k for f in folder.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()]
-    config = json.loads((folder / "config.json").read_text()).get("quantization_config", {}) if (folder / "config.json").exists() else {}
-    return "packed" if any(n.endswith("qweight") for n in names) else f"fake ({config.get('packing_format', 'dense weights')})"
+    config = (
+        json.loads((folder / "config.json").read_text()).get("quantization_config", {})
+        if (folder / "config.json").exists()
+        else {}
+    )
+    return (
+        "packed"
+        if any(n.endswith("qweight") for n in names)
+        else f"fake ({config.get('packing_format', 'dense weights')})"
+    )

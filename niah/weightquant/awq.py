@@ -40,8 +40,8 @@ def output_error(
     quant: Callable[[torch.Tensor], torch.Tensor],
     refs: list[torch.Tensor] | None = None,
 ) -> float:
-    """Sum over ``weights`` ``(out_i, in)`` of the mean squared error of ``Q(W s) (x / s)`` against ``W x`` (``refs``, if
-    already computed), ``x: (tokens, in)``."""
+    """Sum over ``weights`` ``(out_i, in)`` of the mean squared error of ``Q(W s) (x / s)`` against ``W x``
+    (``refs``, if already computed), ``x: (tokens, in)``."""
     xs = x / s
     refs = refs or [x @ w.T for w in weights]
     return sum(float((xs @ quant(w * s).T - r).pow(2).mean()) for w, r in zip(weights, refs))
@@ -49,12 +49,18 @@ def output_error(
 
 @torch.no_grad()
 def search_scale(
-    weights: list[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], grid: int = 20
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    x_mean_abs: torch.Tensor,
+    quant: Callable[[torch.Tensor], torch.Tensor],
+    grid: int = 20,
 ) -> AWQResult:
     """AWQ's scale for the linears ``weights`` that share the input ``x: (tokens, in)`` (mean |x| = ``x_mean_abs``)."""
     weights = [w.detach().float() for w in weights]
     refs = [x @ w.T for w in weights]
-    losses = torch.tensor([output_error(weights, x, scales_for(x_mean_abs, i / grid), quant, refs) for i in range(grid)])
+    losses = torch.tensor(
+        [output_error(weights, x, scales_for(x_mean_abs, i / grid), quant, refs) for i in range(grid)]
+    )
     best = int(losses.argmin())
     return AWQResult(scales_for(x_mean_abs, best / grid), best / grid, losses)
 

@@ -34,13 +34,17 @@ def split_text(part: str, share: float) -> str:
 
 
 def token_windows(tokenizer, text: str, count: int, length: int) -> torch.Tensor:
-    """``count`` consecutive non-overlapping windows of ``length`` tokens from the start of ``text``: ``(count, length)``."""
+    """``count`` consecutive non-overlapping windows of ``length`` tokens from the start of ``text``:
+    ``(count, length)``."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) < count * length:
-        raise ValueError(f"the split has {len(ids)} tokens, fewer than {count} windows x {length}; lower the count or the length")
+        raise ValueError(
+            f"the split has {len(ids)} tokens, fewer than {count} windows x {length}; lower the count or the length"
+        )
     return torch.tensor(ids[: count * length]).view(count, length)
 
 
 def windows_hash(windows: torch.Tensor) -> str:
     """16 hex digits identifying a set of token windows (the calibration hash of the cache keys)."""
-    return hashlib.sha256(windows.to(torch.int64).numpy().tobytes() + str(tuple(windows.shape)).encode()).hexdigest()[:16]
+    data = windows.to(torch.int64).numpy().tobytes() + str(tuple(windows.shape)).encode()
+    return hashlib.sha256(data).hexdigest()[:16]

@@ -42,6 +42,7 @@ def needle_battery(cfg: Config) -> Battery:
     """The battery settings whose questions the weights x KV cells ask (see the module docstring)."""
     s, w = cfg.battery, cfg.weightquant
     lengths = sorted(w.needle_lengths)
+    # the battery's own questions only where every needle length is one of its lengths; else a battery of those alone
     if not s.present or not set(lengths) <= set(s.lengths):
         s = replace(s, lengths=lengths)
     return replace(s, **{k: v for k, v in w.needle.items() if v is not None})

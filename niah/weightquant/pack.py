@@ -71,7 +71,11 @@ class PackedLinear:
         if self.channel_scale is not None:
             w = w / self.channel_scale[None, :]
         if self.keep_index is not None:
-            cols = self.keep.float() * self.keep_scale.float()[:, None] if self.keep_scale is not None else self.keep.float()
+            cols = (
+                self.keep.float() * self.keep_scale.float()[:, None]
+                if self.keep_scale is not None
+                else self.keep.float()
+            )
             w[:, self.keep_index.long()] = cols
         return w
 
@@ -85,8 +89,12 @@ class PackedLinear:
 
 def save_packed(path: Path, layers: dict[str, PackedLinear], meta: dict) -> None:
     """Write ``layers`` and ``meta`` (JSON-able) to one safetensors file, atomically."""
-    flat = {f"{name}.{k}": t.contiguous().clone() for name, p in layers.items() for k, t in p.tensors().items()}  # no shared storage
-    shapes = {name: {"shape": list(p.shape), "bits": p.bits, "group": p.group, "extra": p.extra} for name, p in layers.items()}
+    flat = {
+        f"{name}.{k}": t.contiguous().clone() for name, p in layers.items() for k, t in p.tensors().items()
+    }  # no shared storage
+    shapes = {
+        name: {"shape": list(p.shape), "bits": p.bits, "group": p.group, "extra": p.extra} for name, p in layers.items()
+    }
     tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")  # its own: two processes may build the same cache entry
     save_file(flat, str(tmp), metadata={"layers": json.dumps(shapes), "meta": json.dumps(meta, default=str)})
     tmp.replace(path)

@@ -20,7 +20,9 @@ def quality_bars(rows: pd.DataFrame, title: str):
     axes[0].barh(y, df["ppl_delta"], color=["tab:orange" if s else "tab:blue" for s in df["simulated"]])
     axes[0].axvline(0, color="0.3", lw=0.8)
     axes[0].set_xscale("symlog", linthresh=1.0)
-    axes[0].set_xlabel(f"perplexity - fp32 perplexity ({rows['ppl_fp32'].iloc[0]:.2f}), symlog; orange: simulated activations")
+    axes[0].set_xlabel(
+        f"perplexity - fp32 perplexity ({rows['ppl_fp32'].iloc[0]:.2f}), symlog; orange: simulated activations"
+    )
     axes[1].barh(y, df["kl_vs_fp32"], color="0.5")
     axes[1].set_xscale("log")
     axes[1].set_xlabel("KL(fp32 || scheme), mean over held-out positions")
@@ -75,7 +77,9 @@ def combined_heatmap(table: pd.DataFrame, weights: list[str], methods: list[str]
             )
         ]
     )
-    labels = text.pivot(index="weights", columns="kv", values="t").reindex(index=weights, columns=methods).fillna("not run")
+    labels = (
+        text.pivot(index="weights", columns="kv", values="t").reindex(index=weights, columns=methods).fillna("not run")
+    )
     fig, ax = plt.subplots(figsize=(2.4 * len(methods) + 2.5, 0.9 * len(weights) + 1.5))
     sns.heatmap(
         grid,
@@ -95,7 +99,8 @@ def combined_heatmap(table: pd.DataFrame, weights: list[str], methods: list[str]
     ax.set_ylabel("weights")
     length = int(table["length"].iloc[0])
     ax.set_title(
-        f"needle retrieval at {length} tokens: accuracy [95% Wilson], McNemar p and answer log-prob change vs fp32 weights + fp16 cache",
+        f"needle retrieval at {length} tokens: accuracy [95% Wilson], McNemar p and answer log-prob change "
+        "vs fp32 weights + fp16 cache",
         fontsize=9,
     )
     fig.tight_layout()

@@ -1,17 +1,17 @@
 """Integer quantizers: round-to-nearest group-wise weights and dynamic per-token activations.
 
-Weights ``w: (out, in)`` are quantized in groups of ``group`` consecutive input channels (``group=-1``:
-one group per output row, i.e. per channel), with fp16 scales ``(out, in // group)``:
+Weights ``w: (out, in)`` are quantized in groups of ``group`` consecutive input channels (``group=-1``: one group per
+output row, i.e. per channel), with fp16 scales ``(out, in // group)``:
 
-* symmetric: auto-round's ``int_sym`` rule, so that round-to-nearest here equals AutoRound at zero
-  iterations: the value of largest magnitude in a group maps to ``-2**(bits-1)`` exactly, codes lie in
+* symmetric: auto-round's ``int_sym`` rule, so that round-to-nearest here equals AutoRound at zero iterations: the
+  value of largest magnitude in a group maps to ``-2**(bits-1)`` exactly, codes lie in
   ``[-2**(bits-1), 2**(bits-1) - 1]`` (no zero point);
 * asymmetric: ``scale = (max(w, 0) - min(w, 0)) / (2**bits - 1)``, an integer zero point per group, codes in
   ``[0, 2**bits - 1]`` (auto-round's ``int_asym``, AutoAWQ's zero-point layout).
 
-Activations ``x: (..., in)`` are quantized per token, dynamically (a fresh scale for every token):
-symmetric ``scale = max|x| / (2**(bits-1) - 1)``, or asymmetric with a zero point.  On this CPU there is no
-integer kernel behind this: it is quantize-dequantize, and every result that uses it says ``simulated``.
+Activations ``x: (..., in)`` are quantized per token, dynamically (a fresh scale for every token): symmetric
+``scale = max|x| / (2**(bits-1) - 1)``, or asymmetric with a zero point.  On this CPU there is no integer kernel
+behind this: it is quantize-dequantize, and every result that uses it says ``simulated``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ MIN_SCALE = 1e-5
 
 @dataclass
 class QWeight:
-    """Codes of one weight matrix: ``codes`` uint8 ``(out, groups, group)`` (signed codes offset by ``2**(bits-1)``),
-    ``scale`` fp16 ``(out, groups)``, ``zero`` uint8 ``(out, groups)`` for asymmetric, else None."""
+    """Codes of one weight matrix: ``codes`` uint8 ``(out, groups, group)`` (signed codes offset by
+    ``2**(bits-1)``), ``scale`` fp16 ``(out, groups)``, ``zero`` uint8 ``(out, groups)`` for asymmetric, else None."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -48,7 +48,10 @@ def grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     out, inp = w.shape
     g = inp if group == -1 else group
     if inp % g:
-        raise ValueError(f"{inp} input channels are not a multiple of group {g}: use a divisor of {inp} (e.g. 64 or 32 for 576) or -1")
+        raise ValueError(
+            f"{inp} input channels are not a multiple of group {g}: "
+            f"use a divisor of {inp} (e.g. 64 or 32 for 576) or -1"
+        )
     return w.reshape(out, inp // g, g)
 
 
@@ -62,6 +65,7 @@ def quantize_weight(w: torch.Tensor, bits: int, group: int = 64, sym: bool = Tru
         nmax = 2 ** (bits - 1)
         extreme = torch.where(hi < -lo, -lo, -hi)  # the larger side, signed so that it maps to -nmax
         scale = (extreme / nmax).half().float()
+        # the scale carries the extreme's sign (negative when the positive side is larger): keep it off zero both ways
         scale = torch.where(scale < 0, scale.clamp(max=-MIN_SCALE), scale.clamp(min=MIN_SCALE))
         q = torch.round(x / scale[..., None]).clamp(-nmax, nmax - 1)
         return QWeight((q + nmax).to(torch.uint8), scale.half(), None, bits)

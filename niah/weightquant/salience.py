@@ -27,7 +27,11 @@ def uncoded_weights(model) -> dict[str, int]:
     layers = model.base_model.layers
     prefix = next(n for n, m in model.named_modules() if m is layers)
     in_linear = {id(m.weight) for m in layers.modules() if isinstance(m, torch.nn.Linear)}
-    return {f"{prefix}.{n}": p.numel() for n, p in layers.named_parameters() if p.dim() >= 2 and id(p) not in in_linear and "conv" not in n}
+    return {
+        f"{prefix}.{n}": p.numel()
+        for n, p in layers.named_parameters()
+        if p.dim() >= 2 and id(p) not in in_linear and "conv" not in n
+    }
 
 
 def layer_type(name: str) -> str:
@@ -53,7 +57,9 @@ def shared_inputs(model) -> dict[str, str]:
     """
     linears = decoder_linears(model)
     inputs: dict[str, torch.Tensor] = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: inputs.__setitem__(n, args[0])) for n, m in linears.items()]
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args, n=n: inputs.__setitem__(n, args[0])) for n, m in linears.items()
+    ]
     try:
         model.base_model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     finally:
@@ -64,7 +70,9 @@ def shared_inputs(model) -> dict[str, str]:
 
 
 @torch.no_grad()
-def collect_inputs(model, windows: torch.Tensor, sample_tokens: int, seed: int, batch: int = 4) -> dict[str, InputStats]:
+def collect_inputs(
+    model, windows: torch.Tensor, sample_tokens: int, seed: int, batch: int = 4
+) -> dict[str, InputStats]:
     """Run the calibration ``windows: (n, length)`` through ``model`` and record every decoder linear's input.
 
     Linears that read the same tensor (q/k/v; gate/up) share one :class:`InputStats`.
@@ -99,7 +107,8 @@ def collect_inputs(model, windows: torch.Tensor, sample_tokens: int, seed: int, 
 
 
 def select_channels(score: torch.Tensor, share: float, by: str, seed: int = 0) -> torch.Tensor:
-    """Indices of ``round(share * in)`` (at least one) input channels: the largest ``score`` ``(in,)``, or random with ``by='random'``."""
+    """Indices of ``round(share * in)`` (at least one) input channels: the largest ``score`` ``(in,)``, or random
+    with ``by='random'``."""
     k = max(1, round(share * score.numel()))
     if by == "random":
         return torch.randperm(score.numel(), generator=torch.Generator().manual_seed(seed))[:k].sort().values
@@ -107,18 +116,20 @@ def select_channels(score: torch.Tensor, share: float, by: str, seed: int = 0) -
 
 
 def channel_scores(weight: torch.Tensor, stats: InputStats, by: str) -> torch.Tensor:
-    """Salience per input channel ``(in,)``: ``activation`` = mean |x|, ``weight`` = mean |W| over output rows, ``random`` = zeros."""
+    """Salience per input channel ``(in,)``: ``activation`` = mean |x|, ``weight`` = mean |W| over output rows,
+    ``random`` = zeros."""
     if by == "activation":
         return stats.mean_abs
     if by == "weight":
         return weight.detach().abs().float().mean(0)
-    if by == "random":
+    if by == "random":  # no salience: select_channels draws the channels at random itself
         return torch.zeros(weight.shape[1])
     raise ValueError(f"unknown channel choice {by!r}: use activation, weight or random")
 
 
 def zero_channels(weight: torch.Tensor, salience: torch.Tensor, share: float) -> torch.Tensor:
-    """A copy of ``weight: (out, in)`` with the ``round(share * in)`` input channels of lowest ``salience`` set to zero."""
+    """A copy of ``weight: (out, in)`` with the ``round(share * in)`` input channels of lowest ``salience`` set to
+    zero."""
     k = round(share * weight.shape[1])
     out = weight.detach().float().clone()
     out[:, salience.topk(k, largest=False).indices] = 0.0
@@ -135,12 +146,18 @@ def magnitude_prune(weight: torch.Tensor, share: float) -> torch.Tensor:
 
 
 def kurtosis(*tensors: torch.Tensor) -> float:
-    """Pearson kurtosis ``E[(x - mean)^4] / var^2`` of all entries of ``tensors`` pooled (3 for a normal distribution)."""
+    """Pearson kurtosis ``E[(x - mean)^4] / var^2`` of all entries of ``tensors`` pooled (3 for a normal
+    distribution)."""
     n, s1, s2, s3, s4 = 0, 0.0, 0.0, 0.0, 0.0
     for t in tensors:
         v = t.detach().double().reshape(-1)
         n += v.numel()
-        s1, s2, s3, s4 = s1 + float(v.sum()), s2 + float((v**2).sum()), s3 + float((v**3).sum()), s4 + float((v**4).sum())
+        s1, s2, s3, s4 = (
+            s1 + float(v.sum()),
+            s2 + float((v**2).sum()),
+            s3 + float((v**3).sum()),
+            s4 + float((v**4).sum()),
+        )
     mu = s1 / n
     var = s2 / n - mu**2
     m4 = s4 / n - 4 * mu * s3 / n + 6 * mu**2 * s2 / n - 3 * mu**4
@@ -170,8 +187,8 @@ def salience_summary(model, stats: dict[str, InputStats], top: float = 0.01) -> 
 
 @torch.no_grad()
 def layer_errors(model, stats: dict[str, InputStats], quant) -> pd.DataFrame:
-    """Per decoder linear: Pearson kurtosis of its weight and the relative output error ``|x (Q(W) - W)^T|^2 / |x W^T|^2``
-    of ``quant`` (a function of the weight) on the calibration sample."""
+    """Per decoder linear: Pearson kurtosis of its weight and the relative output error
+    ``|x (Q(W) - W)^T|^2 / |x W^T|^2`` of ``quant`` (a function of the weight) on the calibration sample."""
     rows = []
     for n, m in decoder_linears(model).items():
         w, x = m.weight.float(), stats[n].sample

@@ -36,7 +36,8 @@ class Scheme:
     keep_by: str = "activation"  # activation | weight | random
     keep_bits: int = 16  # 16: fp16 columns; 8: int8 per output channel
     zero: float = 0.0  # share of weights set to zero
-    zero_by: str = ""  # activation: the input channels of lowest activation salience; magnitude: smallest |w| (unstructured)
+    # activation: the input channels of lowest activation salience; magnitude: smallest |w| (unstructured)
+    zero_by: str = ""
 
     @property
     def simulated(self) -> bool:
@@ -112,7 +113,8 @@ class QuantizedModel:
 
 
 def rtn_layers(model, scheme: Scheme, channel_scale: dict[str, torch.Tensor] | None = None) -> dict[str, PackedLinear]:
-    """Round-to-nearest codes of every decoder linear (of ``W * s`` where AWQ's ``channel_scale[name] = s`` is given)."""
+    """Round-to-nearest codes of every decoder linear (of ``W * s`` where AWQ's ``channel_scale[name] = s`` is
+    given)."""
     out = {}
     for n, m in decoder_linears(model).items():
         s = (channel_scale or {}).get(n)
@@ -138,18 +140,27 @@ def with_kept_channels(
             keep, keep_scale = cols.half(), None
         else:
             q = quantize_weight(cols, scheme.keep_bits, group=-1, sym=True)
-            keep, keep_scale = (
-                (q.codes.reshape(cols.shape).to(torch.int16) - 2 ** (scheme.keep_bits - 1)).to(torch.int8),
-                q.scale.reshape(-1),
-            )
+            signed = q.codes.reshape(cols.shape).to(torch.int16) - 2 ** (scheme.keep_bits - 1)  # codes are offset
+            keep, keep_scale = signed.to(torch.int8), q.scale.reshape(-1)
         out[n] = PackedLinear(
-            p.shape, p.bits, p.group, p.codes, p.scale, p.zero, idx.to(torch.int32), keep, keep_scale, p.channel_scale, p.extra
+            p.shape,
+            p.bits,
+            p.group,
+            p.codes,
+            p.scale,
+            p.zero,
+            idx.to(torch.int32),
+            keep,
+            keep_scale,
+            p.channel_scale,
+            p.extra,
         )
     return out
 
 
 def zeroed_layers(model, scheme: Scheme, stats: dict[str, InputStats]) -> dict[str, torch.Tensor]:
-    """Dense weights with ``scheme.zero`` of each layer set to zero: lowest-salience input channels, or smallest magnitudes."""
+    """Dense weights with ``scheme.zero`` of each layer set to zero: lowest-salience input channels, or smallest
+    magnitudes."""
     linears = decoder_linears(model)
     if scheme.zero_by == "activation":
         return {n: zero_channels(m.weight, stats[n].mean_abs, scheme.zero) for n, m in linears.items()}
@@ -159,7 +170,8 @@ def zeroed_layers(model, scheme: Scheme, stats: dict[str, InputStats]) -> dict[s
 
 
 def schemes_01(s: dict) -> dict[str, Scheme]:
-    """Notebook 01: fp32, W8A8 (two activation variants), W4A16 RTN and AutoRound, W4A8 with and without int8 outliers, W4A4."""
+    """Notebook 01: fp32, W8A8 (two activation variants), W4A16 RTN and AutoRound, W4A8 with and without int8
+    outliers, W4A4."""
     g, pct = s.group, f"{s.outlier_share:.0%}"
     ar = dict(w_bits=4, group=g, rounding="autoround")
     return {
@@ -169,7 +181,9 @@ def schemes_01(s: dict) -> dict[str, Scheme]:
         "w4a16_rtn": Scheme(f"W4A16 RTN g{g}", w_bits=4, group=g),
         "w4a16_ar": Scheme(f"W4A16 AutoRound g{g}", **ar),
         "w4a8": Scheme(f"W4A8 AutoRound g{g}", **ar, a_bits=8),
-        "w4a8_outliers": Scheme(f"W4A8 AutoRound g{g} +{pct} int8 channels", **ar, a_bits=8, keep=s.outlier_share, keep_bits=8),
+        "w4a8_outliers": Scheme(
+            f"W4A8 AutoRound g{g} +{pct} int8 channels", **ar, a_bits=8, keep=s.outlier_share, keep_bits=8
+        ),
         "w4a4": Scheme(f"W4A4 AutoRound g{g}", **ar, a_bits=4),
     }
 
@@ -182,7 +196,9 @@ def schemes_02(s: dict) -> dict[str, Scheme]:
         rtn = dict(w_bits=b, group=g, sym=False)
         out[f"rtn{b}"] = Scheme(f"W{b}A16 RTN g{g} asym", **rtn)
         for by in ("activation", "weight", "random"):
-            out[f"rtn{b}_{by}"] = Scheme(f"W{b}A16 RTN g{g} asym +{pct} fp16 by {by}", **rtn, keep=s.salient_share, keep_by=by)
+            out[f"rtn{b}_{by}"] = Scheme(
+                f"W{b}A16 RTN g{g} asym +{pct} fp16 by {by}", **rtn, keep=s.salient_share, keep_by=by
+            )
         out[f"awq{b}"] = Scheme(f"W{b}A16 AWQ g{g} asym", **rtn, rounding="awq")
     z = f"{s.zero_share:.0%}"
     out["mask"] = Scheme(f"{z} channel mask (activation salience)", zero=s.zero_share, zero_by="activation")

@@ -1,34 +1,13 @@
 """The weight-quantization study of notebooks 01 and 02: builds each scheme, measures it, one results row per scheme.
 
 Rows go to ``papermill_runs/<config>/weightquant_results.jsonl`` (a resumable :class:`~niah.results.ResultsTable`
-keyed by ``config, model, scheme``; a rerun skips finished schemes).  Row schema:
-
-identity     ``config``, ``config_hash``, ``settings_hash``, ``model``, ``scheme`` (name), ``status`` (``ok``), ``seed``,
-             ``git_commit``, ``versions``, ``time``
-scheme       ``w_bits`` (16 = untouched), ``group`` (-1 = per output channel), ``w_sym``, ``rounding`` (none/rtn/autoround/awq),
-             ``a_bits`` (16 = none), ``a_sym``, ``simulated`` (activation quantization is quantize-dequantize, no int kernel),
-             ``keep_share``, ``keep_by``, ``keep_bits`` (input channels kept at higher precision), ``zero_share``,
-             ``zero_by`` (activation, magnitude)
-quality      ``ppl``, ``ppl_fp32``, ``ppl_delta`` (ppl - ppl_fp32), ``kl_vs_fp32``, ``top1_vs_fp32``,
-             ``eval_windows``, ``eval_length``, ``eval_tokens`` (held-out split, non-overlapping windows)
-bytes        ``linear_bytes`` (decoder linears as stored: packed codes, scales, kept columns), ``disk_bytes`` (linear_bytes +
-             the other tensors at fp32: what a safetensors checkpoint of the scheme holds, without its header),
-             ``memory_bytes`` (parameters the evaluated model held: fp32, since weights are dequantized for the forward),
-             ``checkpoint_file_bytes`` (size of the cached packed file, for calibrated schemes), ``zero_fraction``
-weights      ``kurtosis_fp32`` (Pearson, pooled over the fp32 decoder linear weights; 3 = normal), ``kurtosis_max_layer``
-calibration  ``calibration_hash``, ``calibration_samples``, ``calibration_seqlen``, ``calibration_share``, ``calibrated``
-             (AutoRound: iters, samples, seqlen, amp, wall_s, rss_start_bytes, peak_rss_bytes, version, tuned_in, cache_hit;
-             AWQ: alpha per input group, grid, unscaled groups, cache_hit), ``eval_s`` (seconds this row took)
-needle       ``needle_length`` (the shortest of ``needle_lengths``), ``needle_n``, ``needle_accuracy``, ``needle_ci_low``,
-             ``needle_ci_high``, ``needle_answer_logprob`` (the battery's questions with the fp16 KV cache; empty when not run
-             for the scheme; every cell is in ``weightquant_niah.jsonl``, see :mod:`niah.weightquant.needle`)
-generation   ``repeat_share``, ``repeat_by_segment``, ``generated_tokens``, ``generated_text`` (greedy, when run)
-library      for scheme ``auto-round W4A8 check``: :func:`~niah.weightquant.autoround.w4a8_offer`'s fields (claim S3-10)
-
-Where each claim's evidence is: S3-1 the two ``W8A8`` rows (``a_sym``); S3-2 the ``W4A8`` rows with and without
-``keep_share``; S3-3 ``repeat_by_segment`` of the W4A4 row next to fp32's; S3-4 the ``zero_by`` rows; S3-5 the
-``keep_by`` rows and the AWQ rows against round-to-nearest; S3-10 the library row; S3-11 ``kurtosis_fp32`` with the
-4-bit rows' ``ppl_delta`` (per layer: ``weightquant_kurtosis_layers.csv``); S3-12 ``ppl_delta`` of every quantized row.
+keyed by ``config, model, scheme``; a rerun skips finished schemes).  A row holds the scheme's identity and
+provenance, its settings (:meth:`~niah.weightquant.schemes.Scheme.fields`), held-out quality against fp32 (``ppl``,
+``ppl_delta``, ``kl_vs_fp32``, ``top1_vs_fp32``), its bytes as stored (``linear_bytes``, ``disk_bytes``,
+``memory_bytes``), weight kurtosis, the calibration record, needle accuracy at the shortest needle length (every cell
+is in ``weightquant_niah.jsonl``, see :mod:`niah.weightquant.needle`) and, when run, a greedy generation; the scheme
+``auto-round W4A8 check`` holds :func:`~niah.weightquant.autoround.w4a8_offer`'s fields.  Every column, and which
+rows each claim of seed 003 reads: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -72,14 +51,18 @@ class Study:
     @cached_property
     def calibration(self) -> torch.Tensor:
         c = self.s.calibration
-        return token_windows(self.lm.tokenizer, split_text("calibration", self.s.calibration_share), c["samples"], c["seqlen"])
+        return token_windows(
+            self.lm.tokenizer, split_text("calibration", self.s.calibration_share), c["samples"], c["seqlen"]
+        )
 
     @cached_property
     def evaluator(self) -> Evaluator:
         e = self.s.evaluation
         return Evaluator(
             self.lm.model,
-            token_windows(self.lm.tokenizer, split_text("evaluation", self.s.calibration_share), e["windows"], e["length"]),
+            token_windows(
+                self.lm.tokenizer, split_text("evaluation", self.s.calibration_share), e["windows"], e["length"]
+            ),
             e["batch"],
         )
 
@@ -160,7 +143,9 @@ class Study:
         ]
         rows = []
         for rounding, iters, layers, per_block_iter in variants:
-            sch = Scheme(f"W4A16 {rounding} g{ar.group}, first {c['blocks']} blocks", w_bits=4, group=ar.group, sym=ar.sym)
+            sch = Scheme(
+                f"W4A16 {rounding} g{ar.group}, first {c['blocks']} blocks", w_bits=4, group=ar.group, sym=ar.sym
+            )
             m = self.evaluator.measure(QuantizedModel(sch, {n: layers[n] for n in names}))
             rows.append(
                 {
@@ -221,7 +206,9 @@ class Study:
         else:
             raise ValueError(f"unknown rounding {scheme.rounding!r}: use rtn, autoround or awq")
         if scheme.keep:
-            layers = with_kept_channels(model, layers, scheme, self.stats if scheme.keep_by == "activation" else {}, self.cfg.seed)
+            layers = with_kept_channels(
+                model, layers, scheme, self.stats if scheme.keep_by == "activation" else {}, self.cfg.seed
+            )
         return QuantizedModel(scheme, layers), record
 
     @cached_property
@@ -242,12 +229,13 @@ class Study:
     def evaluate(
         self, schemes: list[Scheme], needle: dict[str, list[str]] | None = None, generate_for: tuple[str, ...] = ()
     ) -> pd.DataFrame:
-        """Evaluate every scheme not yet in the table; ``needle[name]``: KV methods of its needle cells; ``generate_for``:
-        names that also generate ``generate_tokens`` greedy tokens.  Returns the rows of ``schemes``."""
+        """Evaluate every scheme not yet in the table; ``needle[name]``: KV methods of its needle cells;
+        ``generate_for``: names that also generate ``generate_tokens`` greedy tokens.  Returns the rows of
+        ``schemes``."""
         needle = needle or {}
         for sch in schemes:
             done = self.table.key(self._base(sch.name)) in self.table.done
-            if done and sch.name not in needle:
+            if done and sch.name not in needle:  # a finished row with needle cells still resumes its missing cells
                 continue
             t0 = time.perf_counter()
             qm, record = self.build(sch)
@@ -256,7 +244,8 @@ class Study:
                 continue
             facts = self._weights_facts
             linear = qm.linear_bytes(self.lm.model)
-            zeros = sum(int((w == 0).sum()) for w in qm.dense.values()) / max(sum(w.numel() for w in qm.dense.values()), 1)
+            zero_count = sum(int((w == 0).sum()) for w in qm.dense.values())
+            zeros = zero_count / max(sum(w.numel() for w in qm.dense.values()), 1)
             c = self.s.calibration
             row = {
                 **self._base(sch.name),
@@ -290,7 +279,9 @@ class Study:
         """``{scheme name: KV methods}`` for the schemes of ``weightquant.needle_schemes`` (keys of ``schemes``)."""
         unknown = sorted(set(self.s.needle_schemes) - set(schemes))
         if unknown:
-            raise ConfigError(f"weightquant.needle_schemes: unknown scheme(s) {unknown}; choose from {', '.join(schemes)}")
+            raise ConfigError(
+                f"weightquant.needle_schemes: unknown scheme(s) {unknown}; choose from {', '.join(schemes)}"
+            )
         return {schemes[k].name: self.kv_methods for k in self.s.needle_schemes}
 
     def _needle_fields(self, qm: QuantizedModel, methods: list[str]) -> dict:
@@ -313,11 +304,17 @@ class Study:
     def rows(self, names: list[str] | None = None) -> pd.DataFrame:
         df = pd.DataFrame(self.table.rows())
         if names is not None and len(df):
-            df = df[df["scheme"].isin(names)].set_index("scheme").loc[[n for n in names if n in set(df["scheme"])]].reset_index()
+            df = (
+                df[df["scheme"].isin(names)]
+                .set_index("scheme")
+                .loc[[n for n in names if n in set(df["scheme"])]]
+                .reset_index()
+            )
         return df
 
     def record_offer(self) -> dict:
-        """Claim S3-10: what the installed auto-round offers for W4A8 (checked once per version, cached), as a table row."""
+        """Claim S3-10: what the installed auto-round offers for W4A8 (checked once per version, cached), as a table
+        row."""
         path = cache_dir() / "weightquant" / f"autoround-{autoround.version()}-w4a8-offer.json"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -336,10 +333,11 @@ class Study:
             "calibration windows": f"{c['samples']} x {c['seqlen']} tokens (hash {windows_hash(self.calibration)})",
             "evaluation windows": f"{e['windows']} non-overlapping x {e['length']} tokens = "
             f"{e['windows'] * (e['length'] - 1)} predicted tokens",
-            "AutoRound": "iters {iters}, {samples} of the calibration windows cut to {seqlen} tokens, batch {batch_size}, "
-            "amp (bf16) {amp}".format(**self.s.autoround)
+            "AutoRound": "iters {iters}, {samples} of the calibration windows cut to {seqlen} tokens, "
+            "batch {batch_size}, amp (bf16) {amp}".format(**self.s.autoround)
             + f", group {self.s.group}",
-            "needle cells": f"the battery's questions at {self.s.needle_lengths} tokens: {b.contexts} contexts x {b.needles} "
+            "needle cells": f"the battery's questions at {self.s.needle_lengths} tokens: "
+            f"{b.contexts} contexts x {b.needles} "
             f"needles ({b.depths} depths, {b.mode} mode) per length, over the whole {self.cfg.haystack} haystack "
             f"(calibration topics included); KV methods {self.kv_methods}; schemes {self.s.needle_schemes}",
         }
@@ -347,7 +345,8 @@ class Study:
         if uncoded:
             total = sum(p.numel() for p in self.lm.model.base_model.layers.parameters())
             facts["left at full precision"] = (
-                f"{sum(uncoded.values()) / total:.0%} of the decoder's weights ({len(uncoded)} tensors outside nn.Linear, "
+                f"{sum(uncoded.values()) / total:.0%} of the decoder's weights "
+                f"({len(uncoded)} tensors outside nn.Linear, "
                 f"e.g. {next(iter(uncoded))}): no scheme here quantizes fused expert tensors yet"
             )
         return pd.DataFrame({"value": facts})

@@ -26,7 +26,7 @@ def view(rows: pd.DataFrame) -> pd.DataFrame:
     )
     if "needle_n" in df and df["needle_n"].notna().any():
         out["needle acc [95% CI] (n)"] = [
-            f"{a:.2f} [{lo:.2f}, {hi:.2f}] ({int(n)})" if n == n and n else ""
+            f"{a:.2f} [{lo:.2f}, {hi:.2f}] ({int(n)})" if n == n and n else ""  # n == n: not NaN (needles not run)
             for a, lo, hi, n in zip(df["needle_accuracy"], df["needle_ci_low"], df["needle_ci_high"], df["needle_n"])
         ]
     return out.reset_index(drop=True)
@@ -43,6 +43,7 @@ def offer_sentence(offer: dict) -> str:
     )
     accepted = "accepts" if offer["custom_w4a8_accepted"] else "rejects"
     return (
-        f"auto-round {offer['auto_round_version']} has {presets} for 4-bit weights with 8-bit activations; it {accepted} a custom scheme "
+        f"auto-round {offer['auto_round_version']} has {presets} for 4-bit weights with 8-bit activations; "
+        f"it {accepted} a custom scheme "
         f"(bits=4, act_bits=8, dynamic per-token int) as an experimental feature, and saving it gave {formats}: {real}."
     )

@@ -1,1 +1,2 @@
-"""Numba CPU kernels of the KV formats: the row-reading machinery (:mod:`.rowkernels`) and TurboQuant's encoders and readers."""
+"""Numba CPU kernels of the KV formats: the row-reading machinery (:mod:`.rowkernels`) and TurboQuant's encoders
+and readers."""

@@ -11,17 +11,8 @@ time) and use them at once:
 * ``weighted_sum(stored, w, out)``: ``w: (BH, G, T)`` -> ``out: (BH, G, D)``, ``sum_t w_t v_t``;
 * ``dequantize(stored, out)``: ``out: (R, D)``, every row.
 
-Why numba and not ``torch.compile``: inductor's CPU code for these small gathers and bit fields was slow (bounds
-checks, int64 index vectors, masked tails of 16-wide vectors over 8-code groups), while these plain loops, which
-LLVM vectorizes, decode much faster and let one decode step read the codes instead of a full-precision copy.
-They compile at first use in a process, once per (decoder, kernel) pair.
-
-Writing decoders that vectorize: numba runs LLVM without its SLP vectorizer (``numba.config.SLP_VECTORIZE``), so
-a loop of a small constant count (8, 16, 32 values of one block) is unrolled into scalar code, and a loop whose
-count is read at run time gets a vector body of ~64 iterations that short rows never enter.  The bit-plane
-decoders (:func:`plane_words`) loop over the 32 lanes of a run with a compile-time count and no table loads,
-which the loop vectorizer takes when the body is too large to unroll (a one-bit body is not, so that decoder
-reads its count at run time); check with ``inspect_asm`` (ymm/zmm instructions) and paired timings.
+They compile at first use in a process, once per (decoder, kernel) pair.  Why numba, and how to write decoders that
+vectorize: docs/design-notes.md#niah.kv.kernels.rowkernels.
 """
 
 from __future__ import annotations

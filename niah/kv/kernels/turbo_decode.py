@@ -72,9 +72,9 @@ def _stage_reader(bits: int, codes: int):
 @functools.lru_cache(maxsize=None)
 def _block_row(stages: tuple[tuple[int, int], ...]):
     """The row decoder (:mod:`.rowkernels`) of a :class:`~niah.kv.methods.turbo_base._CodeBlock` with one or two
-    stages of ``(bits, codes per vector)``: ``stored`` holds one ``(codes, scale, table, run)`` per stage, and the stages' values
-    follow one another in the row (one pass over the rows, not one per stage: a pass per stage re-reads the rows,
-    which made ``TurboQuant_prod``'s reads slower)."""
+    stages of ``(bits, codes per vector)``: ``stored`` holds one ``(codes, scale, table, run)`` per stage, and the
+    stages' values follow one another in the row (one pass over the rows, not one per stage: a pass per stage
+    re-reads the rows, which made ``TurboQuant_prod``'s reads slower)."""
     first_codes, read_first = stages[0][1], _stage_reader(*stages[0])
     if len(stages) == 1:
 

@@ -1,14 +1,12 @@
 """Key centring: take the per-head channel mean of a layer's first stored keys out before coding them.
 
 Attention cannot see a vector added to every key of a head: it shifts all of one query's scores by the same
-``q . mu``, which softmax ignores.  Gemma-3-270M's keys carry a large shared mean (27-75% of the key energy,
-depending on the layer, measured on one 4K pydoc context), and a codec that spends its levels on it has fewer for
-what attention reads.  :class:`Centred` wraps any key quantizer: the first block a layer stores (the prefill)
-gives ``mu``, the mean over its tokens, ``(B, H, 1, D)``, kept as fp16 and counted in bytes; every block codes
-``x - mu`` with the inner method, and reads add ``mu`` back (:meth:`scores` adds ``q . mu`` to the inner scores, so
-the row kernels still read the codes).  Later blocks reuse the first block's ``mu`` (:meth:`quantize_after`),
-named in ``meta["shared"]``.  None of kvpress, KIVI, llama.cpp or vLLM centres keys; this repo measures it as a
-modifier (``+centred``, :mod:`niah.kv.registry`).
+``q . mu``, which softmax ignores, so a codec need not spend its levels on it.  :class:`Centred` wraps any key
+quantizer: the first block a layer stores (the prefill) gives ``mu``, the mean over its tokens, ``(B, H, 1, D)``,
+kept as fp16 and counted in bytes; every block codes ``x - mu`` with the inner method, and reads add ``mu`` back
+(:meth:`scores` adds ``q . mu`` to the inner scores, so the row kernels still read the codes).  Later blocks reuse
+the first block's ``mu`` (:meth:`quantize_after`), named in ``meta["shared"]``.  The modifier is ``+centred``
+(:mod:`niah.kv.registry`); its sources: docs/kv-methods.md; why: docs/design-notes.md#niah.kv.methods.centred.
 """
 
 from __future__ import annotations
@@ -31,7 +29,11 @@ class Centred(KVQuantizer):
 
     def __post_init__(self):
         self.name = f"{self.inner.name}+centred"
-        self.residual, self.token_group, self.tokenwise = self.inner.residual, self.inner.token_group, self.inner.tokenwise
+        self.residual, self.token_group, self.tokenwise = (
+            self.inner.residual,
+            self.inner.token_group,
+            self.inner.tokenwise,
+        )
 
     def for_layer(self, layer_idx: int) -> "Centred":
         return Centred(self.inner.for_layer(layer_idx))

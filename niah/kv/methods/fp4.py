@@ -37,7 +37,9 @@ def _e2m1_code_table() -> torch.Tensor:
 _E2M1_CODES = _e2m1_code_table()
 _E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of bit pattern 0b000 .. 0b111
 # (256, 2): the values of the two codes in each byte (low nibble first), to decode a whole byte at once
-_E2M1_PAIRS = torch.cat([_E2M1_VALUES, -_E2M1_VALUES])[unpack_bits(torch.arange(256, dtype=torch.uint8).unsqueeze(-1), 4, 2).long()]
+_E2M1_PAIRS = torch.cat([_E2M1_VALUES, -_E2M1_VALUES])[
+    unpack_bits(torch.arange(256, dtype=torch.uint8).unsqueeze(-1), 4, 2).long()
+]
 
 
 @njit(boundscheck=False, nogil=True)  # no fastmath: the torch path's float32 arithmetic, bit for bit
@@ -89,7 +91,9 @@ class FP4E2M1(_HeadBlocks):
         if rowkernels.usable(blocks):
             codes = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8)
             _e2m1_encode_rows(
-                rowkernels.rows(blocks.flatten(-2)), rowkernels.rows(scale.squeeze(-1)), codes.view(-1, codes.shape[-1]).numpy()
+                rowkernels.rows(blocks.flatten(-2)),
+                rowkernels.rows(scale.squeeze(-1)),
+                codes.view(-1, codes.shape[-1]).numpy(),
             )
             return Packed({"codes": codes, "scales": scale.squeeze(-1)}, tuple(x.shape), x.dtype)
         j = a.mul_(4 * _inverse(scale.float())).ceil_().clamp_max_(24).copysign_(blocks).add_(24)

@@ -96,7 +96,8 @@ class _MinMax(RowDecoded):
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim % 8:
             raise ValueError(
-                f"{self.name}: head_dim must be a multiple of 8 (codes are stored in bit planes of 8-code bytes); got head_dim={head_dim}"
+                f"{self.name}: head_dim must be a multiple of 8 (codes are stored in bit planes of 8-code bytes); "
+                f"got head_dim={head_dim}"
             )
 
     def torch_dequantize(self, p: Packed) -> torch.Tensor:

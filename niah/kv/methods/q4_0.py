@@ -62,7 +62,9 @@ class Q4_0(_HeadBlocks):
             codes = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=torch.uint8)
             scales = torch.empty(*x.shape[:-1], x.shape[-1] // BLOCK)
             _q4_0_encode_rows(
-                rowkernels.rows(blocks.flatten(-2)), codes.view(-1, codes.shape[-1]).numpy(), scales.view(-1, scales.shape[-1]).numpy()
+                rowkernels.rows(blocks.flatten(-2)),
+                codes.view(-1, codes.shape[-1]).numpy(),
+                scales.view(-1, scales.shape[-1]).numpy(),
             )
             return Packed({"codes": codes, "scales": scales.half()}, tuple(x.shape), x.dtype)
         d = _signed_absmax(blocks) / -8

@@ -24,7 +24,8 @@ def _q8_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``blocks: float32 (B, H, T, D/32, 32)`` -> q8_0 ``codes: int8 (B, H, T, D)``, ``scales: fp16 (B, H, T, D/32)``."""
+    """``blocks: float32 (B, H, T, D/32, 32)`` -> q8_0 ``codes: int8 (B, H, T, D)``,
+    ``scales: fp16 (B, H, T, D/32)``."""
     a = blocks.abs()
     d = a.amax(-1, keepdim=True) / 127
     # roundf(x * (1/d)) = sign(x) * trunc(|x| * (1/d) + (0.5 - 2**-25)): adding the float32 just below 0.5 is

@@ -21,7 +21,8 @@ class SlidingWindowAsym3(_MinMax):
 
     Per channel, the tokens of each stored chunk are split into consecutive windows of ``window`` tokens (the
     last one may be shorter); each (window, channel) gets an fp16 min (zero point) and fp16 scale
-    ``(max - min) / 7``, and every value a 3-bit code, packed densely (bit planes, :func:`~niah.kv.packing.pack_planes`).
+    ``(max - min) / 7``, and every value a 3-bit code, packed densely (bit planes,
+    :func:`~niah.kv.packing.pack_planes`).
     Stored: ``codes: uint8 (B, H, T, 3D/8)``, ``scales``, ``zeros``: fp16 ``(B, H, ceil(T/512), D)``;
     ``3 + 32/512`` bits per value for whole windows (a shorter last window costs more).
 

@@ -1,37 +1,15 @@
 """What the TurboQuant KV-cache quantizers share (Zandieh et al., "TurboQuant: Online Vector Quantization with
 Near-optimal Distortion Rate", arXiv 2504.19874).
 
-Every stored vector ``x`` (one token of one KV head) is split into its norm ``||x||`` (kept as fp16) and its
-direction ``u = x / ||x||``.  The direction is multiplied by a Haar-random rotation ``Pi``; each coordinate
-of ``Pi u`` then follows the known density of Lemma 1 (see :mod:`niah.kv.codebooks`), and is replaced by the
-index of its nearest Lloyd-Max centroid for that density, packed densely at ``b`` bits (in the bit planes of
-:func:`niah.kv.packing.pack_planes`, which the CPU row kernels decode in SIMD lanes).
-
-The variants: ``TurboQuant_mse`` (:mod:`.turbo_mse`: ``turbo2``, ``turbo3``, ``turbo4``), ``TurboQuant_prod``
-(:mod:`.turbo_prod`: ``turbo2_prod`` ... ``turbo4_prod``) and the mixed-precision split (:mod:`.turbo_split`:
-``turbo2.5``, ``turbo3.5``).  This module holds what they share: the rotations and their seeds, the codebooks,
-the MSE encoding, the :class:`_Turbo` base and the stored form that every read goes through (:class:`_CodeBlock`).
-
-Rotations and seeds
--------------------
-``Pi`` is the Q factor of the QR decomposition of a ``d x d`` standard Gaussian matrix, sign-fixed by
-``diag(R)`` so that it is exactly Haar distributed.  There is one per (decoder layer, KV head) (per group for
-the split variants), and ``S`` likewise; each is generated from a seed derived from
-``(seed, layer_idx, head, kind)`` with ``numpy.random.SeedSequence``, so keys and values of a layer share them
-and they are fully reproducible.  They are *not* stored with the cache and not counted as per-token storage:
-any reader regenerates them from the seed (cost: ``O(d^3)`` once per layer and head, amortized over all
-tokens; kept in a process-wide cache shared by all quantizer instances, so each new cache reuses them).
-:meth:`for_layer` returns a copy seeded for that layer.
-
-Speed: quantize and dequantize are one ``(tokens x d) @ (d x d)`` matmul per head (two for ``_prod``) plus one
-pass over the codes; the dense rotation alone costs about half a copy.  On the CPU, quantize is one numba pass
-over ``x`` in tiles that stay in cache (:mod:`niah.kv.kernels.turbo_encode`), and every read decodes all of a
-variant's codes in one pass (:class:`_CodeBlock`, :mod:`niah.kv.kernels.turbo_decode`).  Reads in a decode step
-need no rotation per token.
-
-Constraints: ``head_dim`` must be a multiple of 8 and at least 16 (a multiple of 16 for ``turbo2.5`` and
-``turbo3.5``).  Multiples of 8 let every code width pack into whole bytes with no padding; below 16 the fp16
-norm alone costs a bit or more per value.
+A stored vector ``x`` (one token of one KV head) is kept as its fp16 norm and the codes of its direction
+``u = x / ||x||`` under a Haar-random rotation ``Pi``: each coordinate of ``Pi u`` becomes the index of its nearest
+Lloyd-Max centroid for the density of Lemma 1 (:mod:`niah.kv.codebooks`), packed at ``b`` bits in the bit planes of
+:func:`niah.kv.packing.pack_planes`.  ``Pi`` (and ``S`` for ``_prod``) is one per (decoder layer, KV head), made from
+a seed derived from ``(seed, layer_idx, head, kind)``; it is never stored, and :meth:`for_layer` returns a copy
+seeded for that layer.  This module holds the rotations and their seeds, the codebooks, the MSE encoding, the
+:class:`_Turbo` base and the stored form every read goes through (:class:`_CodeBlock`); the variants are
+:mod:`.turbo_mse`, :mod:`.turbo_prod` and :mod:`.turbo_split`.  ``head_dim`` must be a multiple of 8 and at least
+16 (of 16 for ``turbo2.5`` and ``turbo3.5``).  See docs/design-notes.md#niah.kv.methods.turbo_base.
 """
 
 from __future__ import annotations
@@ -281,7 +259,10 @@ class _CodeBlock(NamedTuple):
         return cls((_mse_stage(codes, norm, bits, rot.shape[-2]),), rot)
 
     def _row_args(self) -> tuple:
-        return tuple((rowkernels.rows(st.codes), rowkernels.rows(st.scale), st.table.numpy(), plane_run(st.size)) for st in self.stages)
+        return tuple(
+            (rowkernels.rows(st.codes), rowkernels.rows(st.scale), st.table.numpy(), plane_run(st.size))
+            for st in self.stages
+        )
 
     def _decoder(self):
         return _block_row(tuple((st.bits, st.size) for st in self.stages))
@@ -290,8 +271,13 @@ class _CodeBlock(NamedTuple):
         """The stored vectors in the ``Pi`` basis: float32 ``(B, H, T, K)``.  With torch, each stage's codes
         come from :func:`unpack_planes`, then a table lookup."""
         if rowkernels.usable(self.stages[0].codes):
-            return rowkernels.dequantize(self._decoder(), self._row_args(), (*self.stages[0].codes.shape[:-1], self.rot.shape[-2]))
-        parts = [st.table[unpack_planes(st.codes, st.bits, st.size).to(torch.int32)] * st.scale.float()[..., None] for st in self.stages]
+            return rowkernels.dequantize(
+                self._decoder(), self._row_args(), (*self.stages[0].codes.shape[:-1], self.rot.shape[-2])
+            )
+        parts = [
+            st.table[unpack_planes(st.codes, st.bits, st.size).to(torch.int32)] * st.scale.float()[..., None]
+            for st in self.stages
+        ]
         return torch.cat(parts, dim=-1)
 
     def dequantize(self) -> torch.Tensor:

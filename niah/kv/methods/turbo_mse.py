@@ -36,7 +36,9 @@ class TurboQuantMSE(_Turbo):
 
     def _block(self, p: Packed) -> _CodeBlock:
         codes = p.tensors["codes"]
-        return _CodeBlock.mse(codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device))
+        return _CodeBlock.mse(
+            codes, p.tensors["norm"], self.bits, self._matrices("rot", p.shape[-1], p.shape[1], codes.device)
+        )
 
 
 for _b in (2, 3, 4):

@@ -1,12 +1,10 @@
 """``TurboQuant_prod`` (Algorithm 2 of arXiv 2504.19874): ``turbo2_prod``, ``turbo3_prod``, ``turbo4_prod``.
 
-``b-1`` bits of ``TurboQuant_mse``, then the 1-bit QJL sketch
-``sign(S r)`` of the residual ``r = u - u_hat_mse`` with an i.i.d. ``N(0,1)`` matrix ``S``, plus
-``||r||`` in fp16: ``analytical_bits = b + 32/d``.  ``dequantize`` returns
-``||x|| (u_hat_mse + ||r|| sqrt(pi/2)/d S^T sign(S r))``, whose inner product with any query is the
-paper's unbiased estimator.  The sketch is taken of the residual in the rotated basis, ``S (Pi r)``; that
-is the same as applying the Gaussian matrix ``S Pi`` to ``r``, and ``S Pi`` is itself i.i.d. ``N(0,1)``
-(Gaussian matrices are rotation invariant), so it is exactly the paper's construction and saves a matmul.
+``b-1`` bits of ``TurboQuant_mse``, then the 1-bit QJL sketch ``sign(S r)`` of the residual ``r = u - u_hat_mse``
+with an i.i.d. ``N(0,1)`` matrix ``S``, plus ``||r||`` in fp16: ``analytical_bits = b + 32/d``.  ``dequantize``
+returns ``||x|| (u_hat_mse + ||r|| sqrt(pi/2)/d S^T sign(S r))``, whose inner product with any query is the paper's
+unbiased estimator.  The sketch is taken in the rotated basis, ``S (Pi r)``: ``S Pi`` is itself i.i.d. ``N(0,1)``
+(Gaussian matrices are rotation invariant), so this is exactly the paper's construction, one matmul cheaper.
 
 Stored: ``codes: uint8 (B, H, T, d * (b-1) / 8)`` and ``signs: uint8 (B, H, T, d / 8)`` (bit planes), ``norm`` and
 ``rnorm``: fp16 ``(B, H, T)``.  Rotations, codebooks and reads: :mod:`.turbo_base`.
@@ -26,7 +24,18 @@ from ..kernels import rowkernels
 from ..kernels.turbo_encode import _TINY, _prod_encoder
 from ..packing import pack_planes
 from ..registry import register
-from .turbo_base import _CodeBlock, _codebook, _encode, _layer_matrices, _mse_stage, _norm16, _padded, _rotate, _Stage, _Turbo
+from .turbo_base import (
+    _CodeBlock,
+    _codebook,
+    _encode,
+    _layer_matrices,
+    _mse_stage,
+    _norm16,
+    _padded,
+    _rotate,
+    _Stage,
+    _Turbo,
+)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -72,7 +81,10 @@ class TurboQuantProd(_Turbo):
         b, h, t, d = x.shape
         mb = self.bits - 1
         norm, rnorm = torch.empty(b, h, t, 1), torch.empty(b, h, t)
-        codes, signs = torch.empty(b, h, t, d * mb // 8, dtype=torch.uint8), torch.empty(b, h, t, d // 8, dtype=torch.uint8)
+        codes, signs = (
+            torch.empty(b, h, t, d * mb // 8, dtype=torch.uint8),
+            torch.empty(b, h, t, d // 8, dtype=torch.uint8),
+        )
         book = _codebook(d, mb, x.device)
         matrices = [m.transpose(-1, -2).contiguous().numpy() for m in (rot, qjl)]
         outputs = [rowkernels.rows(o) for o in (norm, codes, rnorm.unsqueeze(-1), signs)]
@@ -90,7 +102,10 @@ class TurboQuantProd(_Turbo):
         b, h, t, d = p.shape
         codes, norm = p.tensors["codes"], p.tensors["norm"]
         qjl_scale = norm.float() * p.tensors["rnorm"].float() * (math.sqrt(math.pi / 2) / d)
-        stages = _mse_stage(codes, norm, self.bits - 1, d), _Stage(p.tensors["signs"], qjl_scale, _SIGNS.to(codes.device), 1)
+        stages = (
+            _mse_stage(codes, norm, self.bits - 1, d),
+            _Stage(p.tensors["signs"], qjl_scale, _SIGNS.to(codes.device), 1),
+        )
         return _CodeBlock(stages, _prod_basis(self.seed, self.layer_idx, d, h, str(codes.device)))
 
 

@@ -1,25 +1,17 @@
-"""TurboQuant with two channel groups at different bit widths: ``turbo2.5``, ``turbo3.5``.
+"""TurboQuant with two channel groups at different bit widths: ``turbo2.5``, ``turbo3.5`` (arXiv 2504.19874, Section
+4.3: outlier channels get more bits than the rest).
 
-Mixed precision over channels (paper, Section 4.3: "splitting channels into outlier and non-outlier
-sets, and applying two independent instances of TurboQuant to each, allocating higher bit precision to
-outliers").  The paper states its 2.5-bit example as "32 outlier channels are quantized at 3 bits, while
-the remaining 96 channels use 2 bits, leading to an effective bit precision of (32x3 + 96x2)/128 = 2.5";
-that arithmetic actually gives 2.25, and the paper gives no split for 3.5.  We use the split that makes
-the names exact and keeps the paper's bit widths: half the channels (``d/2``) at ``b+1`` bits and half at
-``b`` bits, i.e. ``turbo2.5`` = ``d/2`` ch at 3 bits + ``d/2`` at 2 bits, ``turbo3.5`` = ``d/2`` at 4 +
-``d/2`` at 3.  Outlier rule (the paper does not say how its outlier channels are picked): per (batch, KV
-head), the ``d/2`` channels (in the original, un-rotated basis) with the largest RMS over the tokens of
-the layer's first stored block (the prefill, in the needle protocol; ties to the lower channel index),
-kept for every later block of the layer (:meth:`quantize_after`).  Each group gets its own rotation (of
-dimension ``d/2``), its own codebook and its own fp16 norm, so ``analytical_bits = b + 0.5 + 32/d``.
-The channel choice is stored as a 1-bit mask, ``d`` bits per (batch, head), shared by the layer's blocks
-and counted in the ``nbytes`` of each (about ``1/tokens`` bits per value on a block of ``tokens``), but not
-in ``analytical_bits``.  Choosing once per layer lets one-token decode blocks merge like the other formats';
-it makes the channels depend on which tokens the first block held.
+Half the channels (``d/2``) are coded at ``b+1`` bits and half at ``b``: ``turbo2.5`` = ``d/2`` at 3 bits + ``d/2``
+at 2, ``turbo3.5`` = ``d/2`` at 4 + ``d/2`` at 3.  The outliers are, per (batch, KV head), the ``d/2`` channels (in
+the original, un-rotated basis) with the largest RMS over the tokens of the layer's first stored block (ties to the
+lower channel index), kept for every later block of the layer (:meth:`quantize_after`).  Each group has its own
+rotation (of dimension ``d/2``), codebook and fp16 norm, so ``analytical_bits = b + 0.5 + 32/d``; the channel mask
+is counted in each block's ``nbytes`` but not in ``analytical_bits``.
 
 Stored: ``outlier_mask: uint8 (B, H, d/8)`` (shared by the layer's blocks), and per half ``codes_hi``,
 ``codes_lo``: uint8 ``(B, H, T, (d/2) * bits / 8)`` (bit planes) and ``norm_hi``, ``norm_lo``: fp16 ``(B, H, T)``.
 Rotations, codebooks and reads: :mod:`.turbo_base`; the outlier ranking's numba pass is here with the format.
+Why this split and this outlier rule: docs/design-notes.md#niah.kv.methods.turbo_split.
 """
 
 from __future__ import annotations
@@ -60,7 +52,9 @@ def _column_squares(x, tokens, out):
 
 
 @functools.lru_cache(maxsize=128)
-def _split_basis(seed: int, layer_idx: int, packed_mask: bytes, shape: tuple[int, int, int], device: str) -> torch.Tensor:
+def _split_basis(
+    seed: int, layer_idx: int, packed_mask: bytes, shape: tuple[int, int, int], device: str
+) -> torch.Tensor:
     """``(B, H, d, d)`` float32: the outlier half's and then the regular half's own ``d/2``-dim rotations, each
     placed in the columns of its channels (ascending), for the outlier mask whose :func:`pack_bits` bytes are
     ``packed_mask`` (``shape = (B, H, d)``).  ``Pi x`` rotates each half of ``x``, and ``Pi^T`` puts each back in its

@@ -1,41 +1,17 @@
 """vLLM's four TurboQuant KV-cache presets, as its store kernel codes them (vLLM 0.34.0).
 
-Sources, read in the vllm 0.34.0 wheel: ``vllm/model_executor/layers/quantization/turboquant/config.py`` (presets,
-``key_packed_size``, ``value_packed_size``, boundary layers), ``.../turboquant/centroids.py`` (the codebook),
-``vllm/v1/attention/ops/triton_turboquant_store.py`` (the store kernel) and
-``vllm/v1/attention/backends/turboquant_attn.py`` (rotation, reads).
-
-======================  ===================================  ==========================  ==========
-preset                  keys                                 values                      ``_nc``
-======================  ===================================  ==========================  ==========
-``turboquant_k8v4``     cast to fp8 e4m3, no scale           4-bit min/max per token     no
-``turboquant_4bit_nc``  4-bit Hadamard + Lloyd-Max, fp16 norm  4-bit min/max per token   yes
-``turboquant_k3v4_nc``  3-bit Hadamard + Lloyd-Max, fp16 norm  4-bit min/max per token   yes
-``turboquant_3bit_nc``  3-bit Hadamard + Lloyd-Max, fp16 norm  3-bit min/max per token   yes
-======================  ===================================  ==========================  ==========
-
-Keys (3 and 4 bits), per token and KV head ``k: (D,)``, in float32: ``n = ||k||``, ``y = (k / (n + 1e-8)) H`` with
-``H`` the Sylvester Hadamard matrix over ``sqrt(D)`` (the same for every layer and head, no random signs: ``D`` must
-be a power of two), code ``i = #{midpoints <= y_i}`` (ties go up) against the midpoints of a Lloyd-Max codebook for
-``N(0, 1/D)`` (:func:`gaussian_codebook`), packed LSB first (:func:`~niah.kv.packing.pack_bits`: code ``i`` at bits
-``[b i, b i + b)`` of a little-endian stream), then ``n`` as fp16.  Reading: ``c = centroids[codes]``; with norm
-correction (``_nc``) ``c / sqrt(sum c^2 + 1e-16)``; ``k = fp16(fp16(n) c) H``.
-fp8 keys (``k8v4``): ``k`` saturated to +-448 and cast to ``float8_e4m3fn`` (round to nearest even), no scale.
-
-Values, per token and KV head over all ``D`` channels: ``scale = max((max - min) / (2^b - 1), 1e-8)``, codes
-``clamp(floor((v - min) / scale + 0.5), 0, 2^b - 1)`` (round half up), then the fp16 scale and the fp16 minimum
-(the zero point); reading ``v = code * scale16 + zero16``.
-
+:data:`PRESETS` gives each preset's bit widths (table: docs/presets.md).  Keys are fp8 e4m3 with no scale
+(``turboquant_k8v4``) or 3- and 4-bit codes of a Sylvester Hadamard rotation against vLLM's Lloyd-Max codebook
+(:func:`gaussian_codebook`) plus an fp16 norm (:class:`VllmKey`); values are min/max per token (:class:`VllmValue`).
 Stored as vLLM lays out one cache slot: ``keys: uint8 (B, H, T, key_packed_size)`` = codes then norm,
-``values: uint8 (B, H, T, value_packed_size)`` = codes, scale, zero; ``key_packed_size = D`` (fp8) or
-``D b / 8 + 2``, ``value_packed_size = D b / 8 + 4``.  vLLM rounds the slot up to an even byte count; with ``D`` a
-power of two of at least 16 both halves are already even.
+``values: uint8 (B, H, T, value_packed_size)`` = codes, scale, zero.  ``head_dim`` must be a power of two of at least
+16.  vLLM's layer rules are :data:`VLLM_LAYERS`; its read rules are the cache's ``engine`` read mode
+(:mod:`niah.kv.cache`).
 
-What differs from vLLM's kernels: reads dequantize in float32 here (vLLM's decode kernel scores in float32 against
-the codes, its prefill path multiplies fp16 keys by an fp16 ``H``), so the numbers agree to float rounding, not
-bit for bit.  The layer rules of vLLM (first and last two layers of a dense model, and sliding-window layers, kept
-in the model's dtype) are this method's :class:`~niah.kv.registry.LayerPolicy`; its read rules are the cache's
-``engine`` read mode (:mod:`niah.kv.cache`).
+Sources, read in the vllm 0.34.0 wheel: ``vllm/model_executor/layers/quantization/turboquant/config.py``,
+``.../turboquant/centroids.py``, ``vllm/v1/attention/ops/triton_turboquant_store.py`` and
+``vllm/v1/attention/backends/turboquant_attn.py``.  The coding step by step, and what differs from vLLM's kernels:
+docs/design-notes.md#niah.kv.methods.turboquant_vllm.
 """
 
 from __future__ import annotations
@@ -52,7 +28,8 @@ from ..packing import pack_bits, unpack_bits
 from ..registry import LayerPolicy, register, set_policy
 
 FP8_MAX = 448.0  # float8_e4m3fn
-VLLM_LAYERS = LayerPolicy(boundary=2, sliding=False)  # get_boundary_skip_layers(n=2) and --kv-cache-dtype-skip-layers sliding_window
+# vLLM's get_boundary_skip_layers(n=2) and --kv-cache-dtype-skip-layers sliding_window
+VLLM_LAYERS = LayerPolicy(boundary=2, sliding=False)
 PRESETS = {  # name: (key bits, 8 = fp8; value bits; norm correction), config.py's TQ_PRESETS
     "turboquant_k8v4": (8, 4, False),
     "turboquant_4bit_nc": (4, 4, True),
@@ -62,7 +39,8 @@ PRESETS = {  # name: (key bits, 8 = fp8; value bits; norm correction), config.py
 
 
 def key_packed_size(head_dim: int, bits: int) -> int:
-    """Bytes of one stored key (vLLM's ``TurboQuantConfig.key_packed_size``): ``D`` fp8 bytes, or codes and an fp16 norm."""
+    """Bytes of one stored key (vLLM's ``TurboQuantConfig.key_packed_size``): ``D`` fp8 bytes, or codes and an fp16
+    norm."""
     return head_dim if bits == 8 else math.ceil(head_dim * bits / 8) + 2
 
 
@@ -102,7 +80,8 @@ def gaussian_codebook(dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.lru_cache(maxsize=None)
 def sylvester_hadamard(dim: int) -> torch.Tensor:
-    """``H / sqrt(dim)``: the Sylvester Hadamard matrix (``[[H, H], [H, -H]]`` from ``[[1]]``), float32, symmetric and orthonormal."""
+    """``H / sqrt(dim)``: the Sylvester Hadamard matrix (``[[H, H], [H, -H]]`` from ``[[1]]``), float32, symmetric
+    and orthonormal."""
     h = torch.ones(1, 1)
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -122,15 +101,16 @@ def _fp16_of(b: torch.Tensor) -> torch.Tensor:
 def _check_pow2(name: str, head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(
-            f"{name}: vLLM's TurboQuant rotates keys by a Sylvester Hadamard matrix, which needs head_dim a power of two of "
-            f"at least 16; got head_dim={head_dim}"
+            f"{name}: vLLM's TurboQuant rotates keys by a Sylvester Hadamard matrix, "
+            "which needs head_dim a power of two of at least 16; "
+            f"got head_dim={head_dim}"
         )
 
 
 @dataclass
 class VllmKey(KVQuantizer):
-    """A preset's keys: ``bits`` 3 or 4 (Hadamard and Lloyd-Max, fp16 norm; ``norm_correction`` for ``_nc``) or 8 (fp8 e4m3).
-    Stored: ``slot: uint8 (B, H, T, key_packed_size)``."""
+    """A preset's keys: ``bits`` 3 or 4 (Hadamard and Lloyd-Max, fp16 norm; ``norm_correction`` for ``_nc``) or 8
+    (fp8 e4m3).  Stored: ``slot: uint8 (B, H, T, key_packed_size)``."""
 
     name: str = "turboquant_k3v4_nc_key"
     bits: int = 3

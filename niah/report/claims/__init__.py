@@ -1,22 +1,12 @@
 """The claims ledger: one row per claim ID of the seed articles, with a verdict computed from this run's data.
 
-Each claim has our paraphrase, its seed and section, how it is tested, the threshold that decides the
-verdict (written next to it), and an ``evaluate(ev)`` that reads the measured tables in :class:`Evidence`
-(or does the arithmetic) and returns ``(measured, verdict)``; each article's module (``seed000``, ``seed001``,
-``seed003``) binds its claim IDs to their evaluators in its ``EVALUATORS`` table.  Verdicts are ``supported``,
-``refuted``, ``partly``, ``inconclusive (<n and interval>)`` or ``untestable here (<reason>)``; nothing is typed
-in: change the measured input and the verdict follows.
-
-A claim tested on noisy data (needle accuracy, KL, perplexity, timings) is ``supported`` or ``refuted`` only
-when the 95% interval of the measured quantity lies wholly on one side of the claim's threshold, so that a
-handful of questions cannot decide it; otherwise it is ``inconclusive``, with ``n`` and the interval.
-``partly`` is left for claims with two parts decided in opposite ways, and for a claim about a method whose
-variants (say the paper's code and an engine's preset) are refuted for some and not for others.  Byte counts and bits per value are
-deterministic and need no interval.
-
-Architecture numbers of the Llama models come from their ``config.json`` files on the Hugging Face hub (cited
-next to each constant); the seeds' Qwen3.5-35B-A3B comes from :func:`niah.kv.layout.qwen3_5_35b_a3b_config`,
-with its layer types: only its full-attention layers hold a KV cache.
+Each claim in ``claims/claims.yaml`` has our paraphrase, its seed and section, how it is tested, and the threshold
+that decides the verdict; each article's module (``seed000``, ``seed001``, ``seed003``) binds its claim IDs to their
+evaluators in its ``EVALUATORS`` table.  ``evaluate(ev)`` reads the measured tables in :class:`Evidence` (or does the
+arithmetic) and returns ``(measured, verdict)``.  Verdicts are ``supported``, ``refuted``, ``partly``,
+``inconclusive (<n and interval>)`` or ``untestable here (<reason>)``; nothing is typed in.  On noisy data a verdict
+is ``supported`` or ``refuted`` only when the 95% interval lies wholly on one side of the threshold (the rules, and
+where the architecture numbers come from: docs/design-notes.md).
 """
 
 from __future__ import annotations

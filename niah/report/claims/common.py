@@ -1,6 +1,6 @@
-"""Shared machinery of the claims ledger: :class:`Evidence` (what a run measured), :class:`Claim` (one ledger row),
-and the helpers that more than one article's evaluators use (accuracy drops and their verdicts, the cache layout of a
-dense model)."""
+"""Shared machinery of the claims ledger: :class:`Evidence` (what a run measured), :class:`Claim` (one ledger
+row), and the helpers that more than one article's evaluators use (accuracy drops and their verdicts, the cache
+layout of a dense model)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Evidence:
     kv_ppl: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.experiments.kvppl rows
     cold_warm: dict | None = None
     kv_value_share: float | None = None  # share of real K and V values within [-6, 6]
-    llamacpp: pd.DataFrame = field(default_factory=pd.DataFrame)  # niah.experiments.llamacpp rows (llama.cpp's own caches)
+    # niah.experiments.llamacpp rows (llama.cpp's own caches)
+    llamacpp: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def niah_method(self, method: str) -> pd.DataFrame:
         df = self.niah
@@ -53,8 +54,8 @@ def _single(verdict: str, detail: str) -> str:
 
 
 def _drops(ev: Evidence, *methods: str, ref: str = "fp16") -> dict[str, dict] | None:
-    """Per method, :func:`niah.report.stats.paired_table`'s row against ``ref`` over every question both answered, with
-    the accuracy ``drop`` (ref - method) and its 95% interval ``drop_low``, ``drop_high`` (None unless every
+    """Per method, :func:`niah.report.stats.paired_table`'s row against ``ref`` over every question both answered,
+    with the accuracy ``drop`` (ref - method) and its 95% interval ``drop_low``, ``drop_high`` (None unless every
     method and ``ref`` have rows).
 
     The interval is Newcombe's square-and-add of the two Wilson intervals, corrected for the pairing (1998,
@@ -70,7 +71,8 @@ def _drops(ev: Evidence, *methods: str, ref: str = "fp16") -> dict[str, dict] | 
         right = round(p_ref * n)
         both, neither = right - lost, n - right - gained
         margins, cross = right * (n - right) * (both + gained) * (lost + neither), both * neither - lost * gained
-        phi = (max(cross - n / 2, 0) if cross >= 0 else cross) / math.sqrt(margins) if margins else 0.0  # his corrected correlation
+        # his corrected correlation (0 when a margin is empty: nothing to correct for)
+        phi = (max(cross - n / 2, 0) if cross >= 0 else cross) / math.sqrt(margins) if margins else 0.0
         (lo_ref, hi_ref), lo, hi = wilson_interval(right, n), r["ci_low"], r["ci_high"]
         root = lambda x, y: math.sqrt(max(x * x - 2 * phi * x * y + y * y, 0.0))  # noqa: E731
         out[m] = {
@@ -86,17 +88,19 @@ def _drop_verdict(d: dict, threshold: float, claim_holds_above: bool) -> tuple[s
     """(verdict, detail) on "the accuracy drop is above (or below) ``threshold``" from its interval; a drop above
     the threshold also needs McNemar's exact test to show a drop at all (p < 0.05)."""
     verdict = interval_verdict(d["drop_low"], d["drop_high"], threshold, claim_holds_above)
-    if d["drop_low"] > threshold and d["p"] >= ALPHA:
+    if d["drop_low"] > threshold and d["p"] >= ALPHA:  # the interval alone cannot call a drop McNemar does not see
         verdict = "inconclusive"
     return verdict, f"n={d['n']}, accuracy drop {d['drop']:.2f} [{d['drop_low']:.2f}, {d['drop_high']:.2f}]"
 
 
 def _drop_text(method: str, d: dict) -> str:
     return (
-        f"{method} accuracy {d['accuracy']:.2f} [{d['ci_low']:.2f}, {d['ci_high']:.2f}] vs fp16 {d['ref_accuracy']:.2f} on the same "
+        f"{method} accuracy {d['accuracy']:.2f} [{d['ci_low']:.2f}, {d['ci_high']:.2f}] "
+        f"vs fp16 {d['ref_accuracy']:.2f} on the same "
         f"{d['n']} questions: drop {d['drop']:+.2f} [{d['drop_low']:+.2f}, {d['drop_high']:+.2f}] "
         f"({d['losses']} lost, {d['gains']} gained, "
-        f"McNemar p = {d['p']:.2g}), answer log-prob {d['logprob_diff']:+.2f} [{d['logprob_low']:+.2f}, {d['logprob_high']:+.2f}]"
+        f"McNemar p = {d['p']:.2g}), answer log-prob {d['logprob_diff']:+.2f} "
+        f"[{d['logprob_low']:+.2f}, {d['logprob_high']:+.2f}]"
     )
 
 

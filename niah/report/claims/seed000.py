@@ -52,7 +52,8 @@ def _llamacpp_note(ev: Evidence, what: str) -> str:
             return ""
         row, f16 = sp.loc[("lcpp_q8_0", L)], sp.loc[("lcpp_f16", L)]
         body = (
-            f"q8_0 / f16 decode time per token = {row['decode_vs_f16']:.2f} at {L} tokens (medians of {int(row['n'])} questions)"
+            f"q8_0 / f16 decode time per token = {row['decode_vs_f16']:.2f} at {L} tokens "
+            f"(medians of {int(row['n'])} questions)"
             if what == "decode"
             else f"session state at {L} tokens: q8_0 {row['state_mib']:.1f} MiB, f16 {f16['state_mib']:.1f} MiB"
         )
@@ -74,7 +75,8 @@ def s0_2(ev):
     p = get_method("q8_0").key.quantize(x)
     per = x.numel() / p.tensors["scales"].numel()
     return (
-        f"our q8_0 (bit-exact with gguf.quants, see tests) keeps one fp16 scale per {per:.0f} values" + _llamacpp_note(ev, "memory"),
+        f"our q8_0 (bit-exact with gguf.quants, see tests) keeps one fp16 scale per {per:.0f} values"
+        + _llamacpp_note(ev, "memory"),
         "refuted" if per < x.numel() else "supported",
     )
 
@@ -88,9 +90,11 @@ def s0_3(ev):
     q8_bits = float(q8["bits_per_value"].mean())
     change = q8_bits / q4k_bits - 1
     verdict = "supported" if -0.22 <= change <= -0.12 else "refuted"
-    return f"q8_0 stores {q8_bits:.2f} bits/value, q4_K {q4k_bits:.2f}: q8_0 uses {change:+.0%} memory" + _llamacpp_note(
-        ev, "memory"
-    ), verdict
+    return (
+        f"q8_0 stores {q8_bits:.2f} bits/value, q4_K {q4k_bits:.2f}: q8_0 uses {change:+.0%} memory"
+        + _llamacpp_note(ev, "memory"),
+        verdict,
+    )
 
 
 def s0_4(ev):
@@ -116,9 +120,12 @@ def s0_6(ev):
     layout = CacheLayout.from_config(qwen3_5_35b_a3b_config())
     kv = layout.kv_bytes(16384, 16)["total"]
     measured = (
-        f"the whole fp16 KV cache of Qwen3.5-35B-A3B at 16K is {kv / 1e9:.2f} GB: only its {layout.count(FULL)} full-attention "
-        f"layers ({layout.kv_heads} KV heads x {layout.head_dim}) store keys and values; its {layout.count(LINEAR)} Gated DeltaNet "
-        f"layers keep a fixed {2 * layout.linear_state_values() / 1e6:.1f} MB state (bf16), which is not KV; the claimed saving is 14.2 GB"
+        f"the whole fp16 KV cache of Qwen3.5-35B-A3B at 16K is {kv / 1e9:.2f} GB: "
+        f"only its {layout.count(FULL)} full-attention "
+        f"layers ({layout.kv_heads} KV heads x {layout.head_dim}) store keys and values; "
+        f"its {layout.count(LINEAR)} Gated DeltaNet "
+        f"layers keep a fixed {2 * layout.linear_state_values() / 1e6:.1f} MB state (bf16), "
+        "which is not KV; the claimed saving is 14.2 GB"
     )
     if ev.device != "cuda":
         measured += "; peak GPU memory not measured (CPU run)"
@@ -129,8 +136,15 @@ def s0_7(ev):
     d = _drops(ev, "q8_0", "q4_0")
     if d is None:
         return _missing("fp16, q8_0 and q4_0 needle rows")
-    measured = "; ".join(_drop_text(m, d[m]) for m in d) + f" ({ev.niah['needle_kind'].iloc[0]} needles)" + _llamacpp_note(ev, "accuracy")
-    parts = {"q8_0 keeps accuracy": _drop_verdict(d["q8_0"], 0.05, False), "q4_0 collapses it": _drop_verdict(d["q4_0"], 0.3, True)}
+    measured = (
+        "; ".join(_drop_text(m, d[m]) for m in d)
+        + f" ({ev.niah['needle_kind'].iloc[0]} needles)"
+        + _llamacpp_note(ev, "accuracy")
+    )
+    parts = {
+        "q8_0 keeps accuracy": _drop_verdict(d["q8_0"], 0.05, False),
+        "q4_0 collapses it": _drop_verdict(d["q4_0"], 0.3, True),
+    }
     return measured, _combine(parts)
 
 
@@ -167,7 +181,9 @@ def s0_10(ev):
         f"{len(periodic)} periodic at all; "
         f"median amplitude {b['amplitude_MiB'].median():.1f} MiB ({ev.sweep['memory_source'].iloc[0]})"
     )
-    return measured, _single(interval_verdict(lo, hi, 0.5, True), f"n={len(b)} traces, share {near / len(b):.2f} [{lo:.2f}, {hi:.2f}]")
+    return measured, _single(
+        interval_verdict(lo, hi, 0.5, True), f"n={len(b)} traces, share {near / len(b):.2f} [{lo:.2f}, {hi:.2f}]"
+    )
 
 
 def _deltas(ev, method):
@@ -196,7 +212,10 @@ def s0_12(ev):
     if not len(at):
         return _missing("sweep steps of 4K or more")
     worst = float(at.max())
-    measured = f"TTFT max/min across methods at >= 4K: {worst:.2f}, one TTFT per method and length (CPU: shapes, not absolute seconds)"
+    measured = (
+        f"TTFT max/min across methods at >= 4K: {worst:.2f}, "
+        "one TTFT per method and length (CPU: shapes, not absolute seconds)"
+    )
     return measured, "inconclusive (no spread measured: one TTFT per method and length)"
 
 
@@ -206,17 +225,25 @@ def s0_13(ev):
         return _missing("fp16 and q8_0 sweep rows")
     L = min(ref["length"].max(), q8["length"].max())
     row = q8.set_index("length").loc[L]
-    ratio, lo, hi, rounds = row["tpot_vs_ref"], row.get("tpot_vs_ref_low"), row.get("tpot_vs_ref_high"), row["decode_steps"]
+    ratio, lo, hi, rounds = (
+        row["tpot_vs_ref"],
+        row.get("tpot_vs_ref_low"),
+        row.get("tpot_vs_ref_high"),
+        row["decode_steps"],
+    )
     spread = not (pd.isna(lo) or pd.isna(hi))
     measured = (
         f"q8_0 TPOT / fp16 TPOT at {L} tokens = {ratio:.2f}"
         + (f" [{lo:.2f}, {hi:.2f}] (95% bootstrap over rounds)" if spread else "")
-        + f", median of {rounds} paired rounds, against this repo's fp16 cache (cast to fp32 at each step, not a tuned fp16 kernel); "
+        + f", median of {rounds} paired rounds, against this repo's fp16 cache "
+        "(cast to fp32 at each step, not a tuned fp16 kernel); "
         "q8_0 is attended from its codes" + _llamacpp_note(ev, "decode")
     )
     if not spread:
         return measured, "inconclusive (no spread measured: one median ratio per step)"
-    return measured, _single(interval_verdict(lo, hi, 0.85, False), f"n={rounds} rounds, TPOT ratio {ratio:.2f} [{lo:.2f}, {hi:.2f}]")
+    return measured, _single(
+        interval_verdict(lo, hi, 0.85, False), f"n={rounds} rounds, TPOT ratio {ratio:.2f} [{lo:.2f}, {hi:.2f}]"
+    )
 
 
 def s0_14(ev):
@@ -226,10 +253,13 @@ def s0_14(ev):
     per_question = q8["kl_vs_ref"].dropna()
     kl, lo, hi = paired_bootstrap(per_question)
     measured = (
-        f"mean KL(fp16 || q8_0) over answer positions = {kl:.2e} [{lo:.2e}, {hi:.2e}] (95% bootstrap over {len(per_question)} questions), "
+        f"mean KL(fp16 || q8_0) over answer positions = {kl:.2e} [{lo:.2e}, {hi:.2e}] "
+        f"(95% bootstrap over {len(per_question)} questions), "
         f"top-1 agreement {q8['top1_vs_ref'].mean():.3f}" + _llamacpp_note(ev, "kl")
     )
-    return measured, _single(interval_verdict(lo, hi, 0.05, False), f"n={len(per_question)}, mean KL {kl:.3f} [{lo:.3f}, {hi:.3f}]")
+    return measured, _single(
+        interval_verdict(lo, hi, 0.05, False), f"n={len(per_question)}, mean KL {kl:.3f} [{lo:.3f}, {hi:.3f}]"
+    )
 
 
 def s0_15(ev):
@@ -237,7 +267,12 @@ def s0_15(ev):
     if not cw:
         return _missing("cold/warm TTFT probe")
     if "cold_s" in cw:  # repeated fresh processes
-        target, warmup, cold, warm = cw["target"], cw["warmup"], np.asarray(cw["cold_s"], float), np.asarray(cw["warm_s"], float)
+        target, warmup, cold, warm = (
+            cw["target"],
+            cw["warmup"],
+            np.asarray(cw["cold_s"], float),
+            np.asarray(cw["warm_s"], float),
+        )
     else:  # one cold and one warm process
         target, warmup, cold, warm = (
             cw["cold"]["target"],
@@ -247,11 +282,14 @@ def s0_15(ev):
         )
     r = 1 - np.median(warm) / np.median(cold)
     rng = np.random.default_rng(0)
-    draws = 1 - np.median(rng.choice(warm, (BOOTSTRAP, len(warm))), axis=1) / np.median(rng.choice(cold, (BOOTSTRAP, len(cold))), axis=1)
+    draws = 1 - np.median(rng.choice(warm, (BOOTSTRAP, len(warm))), axis=1) / np.median(
+        rng.choice(cold, (BOOTSTRAP, len(cold))), axis=1
+    )
     lo, hi = np.quantile(draws, [0.025, 0.975])
     n = f"n={len(cold)} cold and {len(warm)} warm runs"
-    measured = f"a {warmup}-token warm-up cut the first {target}-token TTFT by {r:.0%} (1 - median warm / median cold, {n}" + (
-        f"; 95% bootstrap interval [{lo:.0%}, {hi:.0%}])" if min(len(cold), len(warm)) > 1 else ")"
+    measured = (
+        f"a {warmup}-token warm-up cut the first {target}-token TTFT by {r:.0%} (1 - median warm / median cold, {n}"
+        + (f"; 95% bootstrap interval [{lo:.0%}, {hi:.0%}])" if min(len(cold), len(warm)) > 1 else ")")
     )
     if target != 16384:
         return measured, f"inconclusive (measured at {target}, the claim is about 16384)"

@@ -10,7 +10,8 @@ import pandas as pd
 from ..stats import PAIR_KEY, paired_bootstrap
 from .common import Evidence, _missing, dense_layout
 
-# meta-llama/Meta-Llama-3-8B config.json: num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 8, hidden 4096
+# meta-llama/Meta-Llama-3-8B config.json: num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 8,
+# hidden 4096
 LLAMA3_8B = {"layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
 
 
@@ -24,7 +25,10 @@ def s3_6(ev):
 def s3_7(ev):
     gqa = dense_layout(LLAMA3_8B).kv_bytes(2048, 16)["total"]
     mha = dense_layout(LLAMA3_8B, kv_heads=LLAMA3_8B["heads"]).kv_bytes(2048, 16)["total"]
-    measured = f"Llama-3-8B fp16 KV at 2048 tokens: {gqa / 1e6:.0f} MB with its 8 KV heads, {mha / 1e9:.2f} GB if all 32 heads had KV"
+    measured = (
+        f"Llama-3-8B fp16 KV at 2048 tokens: {gqa / 1e6:.0f} MB with its 8 KV heads, "
+        f"{mha / 1e9:.2f} GB if all 32 heads had KV"
+    )
     return measured, "refuted" if abs(gqa - 2.7e9) / 2.7e9 > 0.1 and abs(mha - 2.7e9) / 2.7e9 > 0.1 else "supported"
 
 
@@ -47,13 +51,18 @@ def s3_9(ev):
     kl = ok.pivot_table(index=list(PAIR_KEY), columns="method", values="kl_vs_ref")[["fp8_e4m3", "fp8_e5m2"]].dropna()
     diff, lo, hi = paired_bootstrap(kl["fp8_e5m2"] - kl["fp8_e4m3"])
     measured = (
-        f"KL vs fp16 on the same {len(kl)} questions: e4m3 {kl['fp8_e4m3'].mean():.2e}, e5m2 {kl['fp8_e5m2'].mean():.2e}, "
-        f"e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}] (95% paired bootstrap); '5-bit exponent + 2-bit mantissa' is e5m2, "
+        f"KL vs fp16 on the same {len(kl)} questions: "
+        f"e4m3 {kl['fp8_e4m3'].mean():.2e}, e5m2 {kl['fp8_e5m2'].mean():.2e}, "
+        f"e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}] (95% paired bootstrap); "
+        "'5-bit exponent + 2-bit mantissa' is e5m2, "
         "vLLM's default fp8 KV dtype is e4m3"
     )
     if lo > 0:  # e4m3, vLLM's default, is the better one
         return measured, "partly"
-    return measured, "supported" if hi < 0 else f"inconclusive (n={len(kl)}, KL e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}])"
+    return (
+        measured,
+        "supported" if hi < 0 else f"inconclusive (n={len(kl)}, KL e5m2 - e4m3 {diff:+.2e} [{lo:+.2e}, {hi:+.2e}])",
+    )
 
 
 def _any_group(name: str) -> str:
@@ -82,7 +91,10 @@ def s3_1(ev):
         return _missing("W8A8 rows")
     sym, asym = (float(r["ppl_delta"]) for r in rows)
     close = abs(sym - 1.2) <= 0.3 and abs(asym - 0.7) <= 0.3
-    measured = f"perplexity +{sym:.2f} (symmetric per-channel weights) and +{asym:.2f} (asymmetric), simulated int8 activations"
+    measured = (
+        f"perplexity +{sym:.2f} (symmetric per-channel weights) and +{asym:.2f} (asymmetric), "
+        "simulated int8 activations"
+    )
     return measured, "supported" if close else ("partly" if asym < sym else "refuted")
 
 
@@ -93,7 +105,8 @@ def s3_2(ev):
     plain, kept = (float(r["ppl_delta"]) for r in rows)
     group = int(rows[0]["group"]) if "group" in rows[0] else 64
     measured = (
-        f"W4A8 (AutoRound int4 g{group}, simulated int8 activations): +{plain:.2f} perplexity; with 1% int8 input channels +{kept:.2f}"
+        f"W4A8 (AutoRound int4 g{group}, simulated int8 activations): +{plain:.2f} perplexity; "
+        f"with 1% int8 input channels +{kept:.2f}"
     )
     if kept <= 2.1 * 1.5 and plain >= 10:
         return measured, "supported"
@@ -125,7 +138,8 @@ def s3_4(ev):
         return _missing("30% activation-mask and magnitude-pruning rows")
     act, mag = (float(by[z]["ppl_delta"].iloc[-1]) for z in ("activation", "magnitude"))
     measured = (
-        f"30% of input channels zeroed by activation salience: +{act:.2f} perplexity; 30% magnitude pruning: +{mag:.2f}; no fine-tuning"
+        f"30% of input channels zeroed by activation salience: +{act:.2f} perplexity; "
+        f"30% magnitude pruning: +{mag:.2f}; no fine-tuning"
     )
     if abs(act - 1.4) <= 0.7 and mag > act:
         return measured, "supported"
@@ -136,12 +150,18 @@ def s3_5(ev):
     verdicts, parts = [], []
     for b in (3, 4):
         rows = _wq_rows(
-            ev, *(f"W{b}A16 RTN g64 asym" + s for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random"))
+            ev,
+            *(
+                f"W{b}A16 RTN g64 asym" + s
+                for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")
+            ),
         )
         if rows is None:
             continue
         plain, act, wt, rnd = (float(r["ppl_delta"]) for r in rows)
-        parts.append(f"W{b}: +{plain:.2f} -> +{act:.2f} protecting 1% by activation (by weight +{wt:.2f}, random +{rnd:.2f})")
+        parts.append(
+            f"W{b}: +{plain:.2f} -> +{act:.2f} protecting 1% by activation (by weight +{wt:.2f}, random +{rnd:.2f})"
+        )
         verdicts.append(act < 0.6 * plain and act < min(wt, rnd))
     if not verdicts:
         return _missing("salient-channel rows")
@@ -153,8 +173,10 @@ def s3_10(ev):
     if check is None:
         return _missing("auto-round capability check")
     measured = (
-        f"auto-round {check['auto_round_version']}: W4A8 presets {list(check['presets_w4a8']) or 'none'}; a custom act_bits=8 scheme "
-        f"{'is accepted' if check['custom_w4a8_accepted'] else 'is refused'}; real W4A8 export: {bool(check['real_w4a8_export'])}"
+        f"auto-round {check['auto_round_version']}: W4A8 presets {list(check['presets_w4a8']) or 'none'}; "
+        "a custom act_bits=8 scheme "
+        f"{'is accepted' if check['custom_w4a8_accepted'] else 'is refused'}; "
+        f"real W4A8 export: {bool(check['real_w4a8_export'])}"
     )
     if check["custom_w4a8_accepted"] and check["real_w4a8_export"]:
         return measured, "supported"
@@ -165,7 +187,9 @@ def s3_11(ev):
     df = ev.weightquant
     if not len(df) or "kurtosis_fp32" not in df:
         return _missing("kurtosis rows")
-    w4a8 = df[(df["scheme"].map(_any_group) == "W4A8 AutoRound g*") & (df["status"] == "ok")].drop_duplicates("model", keep="last")
+    w4a8 = df[(df["scheme"].map(_any_group) == "W4A8 AutoRound g*") & (df["status"] == "ok")].drop_duplicates(
+        "model", keep="last"
+    )
     if not len(w4a8):
         return _missing("W4A8 rows")
     measured = "; ".join(
@@ -192,7 +216,8 @@ def s3_12(ev):
     worst = q.loc[q["ppl_delta"].idxmax()]
     within = int((q["ppl_delta"] <= 1.5).sum())
     return (
-        f"{within} of {len(q)} quantized configurations within +1.5 perplexity; worst {worst['scheme']} +{worst['ppl_delta']:.1f}",
+        f"{within} of {len(q)} quantized configurations within +1.5 perplexity; "
+        f"worst {worst['scheme']} +{worst['ppl_delta']:.1f}",
         "supported" if within == len(q) else "refuted",
     )
 
