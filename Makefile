@@ -63,7 +63,7 @@ report: $(VENV)/.base
 report-check: report
 	$(PY) -m niah report-check --config $(CONFIG)
 
-## ruff: lint and formatting (line length 140, pyproject.toml); `make format` applies the formatting
+## ruff: lint and formatting (line length 120, pyproject.toml); `make format` applies the formatting
 lint: $(VENV)/.base
 	$(VENV)/bin/ruff check niah tests
 	$(VENV)/bin/ruff format --check niah tests

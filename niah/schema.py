@@ -132,7 +132,7 @@ class Niah(Section):
     # the prompt chunk of methods read in vLLM's engine mode (name@engine): vLLM 0.34.0's default
     # max_num_batched_tokens on a >= 70 GiB GPU (H100, H200) with the LLM class (engine/arg_utils.py,
     # get_batch_defaults); `vllm serve` uses 8192
-    engine_chunk: int = setting(16384, hashed_by=(KVPPL,), dry=shorter)
+    engine_chunk: int = setting(16384, hashed_by=(SWEEP, KVPPL), dry=shorter)  # sweep: name@engine rows read with it
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ def test_decoding_a_real_model_through_the_fused_path_gives_the_same_tokens(tiny
     for fused in (False, True):
         cache = PackedCache.from_states(kv, CacheSpec(get_method("q8_0"), keep_dequantized=False, fused_decode=fused))
         with fused_decoding(tiny.model):
-            logits = [tiny.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in (5, 6, 7)]
+            logits = [
+                tiny.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in (5, 6, 7)
+            ]
         runs[fused] = torch.stack(logits)
     torch.testing.assert_close(runs[True], runs[False], rtol=1e-4, atol=1e-4)
     assert tiny.model.config._attn_implementation != "niah_packed", "fused_decoding must restore the model"

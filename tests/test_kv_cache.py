@@ -25,7 +25,8 @@ from niah.kv.layout import FULL, SLIDING
 from niah.kv.registry import LayerPolicy, available, get_method
 from niah.kv.spec import CacheSpec
 
-# each codec on every layer of the 2-layer model (a layer policy such as vLLM's would keep both at fp16), and centred keys
+# each codec on every layer of the 2-layer model (a layer policy such as vLLM's would keep both at fp16), and
+# centred keys
 METHODS = [m if get_method(m).layers == LayerPolicy() else f"{m}+all_layers" for m in available() if m != "fp16"]
 METHODS += ["q4_0+centred", "turboquant_k3v4_nc+centred+all_layers"]
 
@@ -67,7 +68,10 @@ def test_stored_bytes_match_the_format(setup, method):
 
 
 def test_kl_against_fp16_is_ordered_by_precision(setup):
-    kl = {m: compare_logits(setup[3].answer_logsoftmax, _ask(setup, m).answer_logsoftmax)[0] for m in ("q8_0", "q4_0", "turbo2")}
+    kl = {
+        m: compare_logits(setup[3].answer_logsoftmax, _ask(setup, m).answer_logsoftmax)[0]
+        for m in ("q8_0", "q4_0", "turbo2")
+    }
     assert kl["q8_0"] < kl["q4_0"] < kl["turbo2"], kl
 
 
@@ -100,7 +104,9 @@ def test_decode_steps_merge_chunks_without_changing_what_is_read(method, keep):
             if name in first.meta.get("shared", ()):
                 assert all(torch.equal(c[kind].tensors[name], tensor) for c in apart.chunks), name
                 continue
-            joined = [torch.cat([c[kind].tensors[name] for c in chunks], dim=2) for chunks in (layer.chunks, apart.chunks)]
+            joined = [
+                torch.cat([c[kind].tensors[name] for c in chunks], dim=2) for chunks in (layer.chunks, apart.chunks)
+            ]
             assert torch.equal(*joined), name
 
 
@@ -153,8 +159,8 @@ def test_the_spec_picks_each_layer_class_once(name, fused, full, sliding):
     cache = PackedCache.from_states(states, CacheSpec.resolve(name, 64, fused_decode=fused))
     assert [type(layer) for layer in cache.layers] == [full, sliding]
     assert [type(layer) for layer in cache.clone().layers] == [full, sliding]
-    step = x[..., :1, :]
-    assert (cache.layers[0].update(step, step)[0] is cache.layers[0]) == fused  # a decode step: the codes, or tensors
+    cache.end_prompt()  # later one-token passes are decode steps: fused, the layer itself; else tensors
+    assert (cache.layers[0].update(x[..., :1, :], x[..., :1, :])[0] is cache.layers[0]) == fused
 
 
 def test_a_spec_resolves_the_prompt_chunk_for_engine_methods_only():

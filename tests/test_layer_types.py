@@ -61,8 +61,13 @@ def test_a_quantized_method_changes_the_logits_through_every_layer_type_it_store
     base = _ask(hybrid, ref.clone()).answer_logsoftmax
     for kind in kinds:
         mixed = ref.clone()
-        mixed.layers = [q if isinstance(q, PackedLayer) and q.layer_type == kind else r for r, q in zip(ref.layers, lossy.clone().layers)]
-        assert not torch.equal(_ask(hybrid, mixed).answer_logsoftmax, base), f"q4_0 on {kind} layers left the logits as fp16's"
+        mixed.layers = [
+            q if isinstance(q, PackedLayer) and q.layer_type == kind else r
+            for r, q in zip(ref.layers, lossy.clone().layers)
+        ]
+        assert not torch.equal(_ask(hybrid, mixed).answer_logsoftmax, base), (
+            f"q4_0 on {kind} layers left the logits as fp16's"
+        )
 
 
 @pytest.mark.parametrize("method", ["fp16", "q8_0", "q4_0", "turbo3"])
@@ -82,7 +87,9 @@ def test_fp16_sliding_layers_keep_full_precision_there_only(hybrid):
     if hybrid.model.config.model_type != "gemma3_text":
         pytest.skip("no sliding layers")
     states = context_states(prefill(hybrid.model, CONTEXT, chunk=32))
-    both, full_only = (PackedCache.from_states(states, CacheSpec(get_method("q4_0"), sliding=s)) for s in ("quantize", "fp16"))
+    both, full_only = (
+        PackedCache.from_states(states, CacheSpec(get_method("q4_0"), sliding=s)) for s in ("quantize", "fp16")
+    )
     fp16 = PackedCache.from_states(states, CacheSpec(get_method("fp16"))).nbytes()
     assert full_only.nbytes()[SLIDING] == fp16[SLIDING] > both.nbytes()[SLIDING]
     assert full_only.nbytes()[FULL] == both.nbytes()[FULL] < fp16[FULL]

@@ -44,7 +44,9 @@ def test_protocol_matches_one_full_forward(tiny, cell):
 
     fp32 = KVMethod("fp32", CastStorage("fp32", torch.float32), CastStorage("fp32", torch.float32))
     kv = context_states(prefill(tiny.model, cell.prefill_ids, chunk=96))
-    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, CacheSpec(fp32)), cell.question_ids, cell.answer_ids, 4)
+    ans = ask(
+        tiny.model, tiny.tokenizer, PackedCache.from_states(kv, CacheSpec(fp32)), cell.question_ids, cell.answer_ids, 4
+    )
     ids = torch.tensor([cell.prefill_ids + cell.question_ids + cell.answer_ids])
     with torch.no_grad():
         full = torch.log_softmax(tiny.model(ids).logits[0].float(), -1)
@@ -68,7 +70,14 @@ def test_a_lossy_method_changes_the_logits_and_stores_fewer_bytes(tiny, cell):
     stored = PackedCache.from_states(kv, CacheSpec(get_method("fp16"))).nbytes()
     layers, heads, dim = len(kv), kv[0].keys.shape[1], kv[0].keys.shape[3]
     total = 2 * 2 * layers * heads * dim * len(cell.prefill_ids)
-    assert stored == {"packed": total, "residual": 0, "total": total, "full_attention": total, "sliding_attention": 0, "linear_state": 0}
+    assert stored == {
+        "packed": total,
+        "residual": 0,
+        "total": total,
+        "full_attention": total,
+        "sliding_attention": 0,
+        "linear_state": 0,
+    }
 
 
 def test_question_tokens_are_stored_quantized_too(tiny, cell):
@@ -93,7 +102,14 @@ def test_shortcut_generation_equals_step_by_step_greedy(tiny, cell):
             tokens.append(int(out.logits[0, -1].argmax()))
     greedy = tiny.tokenizer.decode(tokens)
     # pretend the model's own greedy continuation is the expected answer: the shortcut must return it whole
-    ans = ask(tiny.model, tiny.tokenizer, PackedCache.from_states(kv, CacheSpec(get_method("fp16"))), cell.question_ids, tokens[:4], 6)
+    ans = ask(
+        tiny.model,
+        tiny.tokenizer,
+        PackedCache.from_states(kv, CacheSpec(get_method("fp16"))),
+        cell.question_ids,
+        tokens[:4],
+        6,
+    )
     assert ans.text == tiny.tokenizer.decode(tokens[:4])
     # and with the true (unlikely) answer, generation diverges and is decoded step by step
     fp16 = PackedCache.from_states(kv, CacheSpec(get_method("fp16")))

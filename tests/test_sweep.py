@@ -17,7 +17,9 @@ def test_sweep_rows_bytes_timings_and_traces(smoke_with, tiny, tmp_path):
     assert {r["status"] for r in rows} == {"ok"}
     fp16 = sorted((r for r in rows if r["method"] == "fp16"), key=lambda r: r["length"])
     fit = polyfit([r["length"] for r in fp16], [r["kv_bytes"] for r in fp16], 1)
-    assert fit.r2 == pytest.approx(1.0) and fit.coef[0] == pytest.approx(2 * 2 * 2 * 32 * 2)  # K+V, layers, heads, dim, fp16
+    assert fit.r2 == pytest.approx(1.0) and fit.coef[0] == pytest.approx(
+        2 * 2 * 2 * 32 * 2
+    )  # K+V, layers, heads, dim, fp16
     for r in rows:
         assert r["kv_bytes"] == pytest.approx(r["kv_bytes_analytical"], rel=0.01)
         assert r["decode_steps"] == 32 and 0 < r["tpot_median_s"] <= r["tpot_p90_s"]
@@ -29,7 +31,9 @@ def test_sweep_rows_bytes_timings_and_traces(smoke_with, tiny, tmp_path):
 
 def test_memory_budget_is_an_oom_status_and_the_sweep_goes_on(smoke_with, tiny, tmp_path):
     cfg = smoke_with("sweep", lengths=[64, 512, 256], memory_budget_gib=200 * 2 * 2 * 2 * 32 * 4 / 2**30)
-    rows = {(r["method"], r["length"]): r for r in read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))}
+    rows = {
+        (r["method"], r["length"]): r for r in read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))
+    }
     assert rows[("fp16", 64)]["status"] == "ok"
     assert rows[("fp16", 256)]["status"] == "oom" and "budget" in rows[("fp16", 256)]["reason"]
     assert rows[("turbo3", 512)]["status"] == "oom"

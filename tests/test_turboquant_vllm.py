@@ -8,7 +8,13 @@ import torch
 from niah.experiments.protocol import ask, check_engine_reads, context_states, prefill, read_prompt
 from niah.kv.cache import CONTINUATION_DECODE_THRESHOLD, LayerState, PackedCache, PackedLayer
 from niah.kv.layout import FULL, LINEAR, SLIDING
-from niah.kv.methods.turboquant_vllm import PRESETS, gaussian_codebook, key_packed_size, sylvester_hadamard, value_packed_size
+from niah.kv.methods.turboquant_vllm import (
+    PRESETS,
+    gaussian_codebook,
+    key_packed_size,
+    sylvester_hadamard,
+    value_packed_size,
+)
 from niah.kv.registry import LayerPolicy, get_method
 from niah.kv.spec import CacheSpec
 
@@ -94,7 +100,12 @@ def test_round_trip_error_bounds(name):
 def test_fp8_keys_saturate_without_a_scale():
     m = get_method("turboquant_k8v4")
     x = torch.tensor([500.0, -1000.0, 1.9375, 0.001]).view(1, 1, 1, 4).repeat(1, 1, 1, 4)
-    assert m.key.dequantize(m.key.quantize(x))[0, 0, 0, :4].tolist() == [448.0, -448.0, 2.0, x.to(torch.float8_e4m3fn)[0, 0, 0, 3].item()]
+    assert m.key.dequantize(m.key.quantize(x))[0, 0, 0, :4].tolist() == [
+        448.0,
+        -448.0,
+        2.0,
+        x.to(torch.float8_e4m3fn)[0, 0, 0, 3].item(),
+    ]
 
 
 def test_head_dim_must_be_a_power_of_two():
@@ -107,7 +118,10 @@ def test_presets_keep_vllms_layers():
     gemma = [SLIDING] * 5 + [FULL] + [SLIDING] * 5 + [FULL] + [SLIDING] * 5 + [FULL]
     assert [i for i, kind in enumerate(gemma) if p.stores(i, kind, 18, False)] == [5, 11]
     assert [i for i in range(40) if p.stores(i, FULL, 40, True)] == list(range(40))  # hybrid: no boundary protection
-    assert get_method("turbo3").layers == LayerPolicy() and get_method("turboquant_k3v4_nc+all_layers").layers == LayerPolicy()
+    assert (
+        get_method("turbo3").layers == LayerPolicy()
+        and get_method("turboquant_k3v4_nc+all_layers").layers == LayerPolicy()
+    )
     assert "first and last 2 layers" in p.describe() and "sliding-window" in p.describe()
 
 
@@ -123,7 +137,14 @@ def _states(kinds, tokens=8, d=32):
 def test_layers_outside_the_policy_are_stored_at_fp16():
     states = _states([FULL] * 6)
     cache = PackedCache.from_states(states, CacheSpec(get_method("turboquant_k3v4_nc")))
-    assert [layer.method.name for layer in cache.layers] == ["fp16", "fp16", "turboquant_k3v4_nc", "turboquant_k3v4_nc", "fp16", "fp16"]
+    assert [layer.method.name for layer in cache.layers] == [
+        "fp16",
+        "fp16",
+        "turboquant_k3v4_nc",
+        "turboquant_k3v4_nc",
+        "fp16",
+        "fp16",
+    ]
     assert cache.nbytes()["total"] == 4 * 8 * 32 * 2 * 2 + 2 * 8 * (key_packed_size(32, 3) + value_packed_size(32, 4))
 
 
@@ -142,7 +163,9 @@ def test_modifiers():
 def test_pieces_split_at_multiples_of_the_chunk():
     cache = PackedCache.from_states(_states([FULL], tokens=10), CacheSpec(get_method("q8_0@engine"), engine_chunk=16))
     assert [len(p) for p in cache.pieces(list(range(30)))] == [6, 16, 8]
-    assert [len(p) for p in PackedCache.from_states(_states([FULL]), CacheSpec(get_method("q8_0"))).pieces(list(range(30)))] == [30]
+    assert [
+        len(p) for p in PackedCache.from_states(_states([FULL]), CacheSpec(get_method("q8_0"))).pieces(list(range(30)))
+    ] == [30]
     with pytest.raises(ValueError, match="engine_chunk"):
         PackedCache.from_states(_states([FULL]), CacheSpec(get_method("q8_0@engine")))
 
@@ -180,7 +203,9 @@ def test_engine_answers_are_decode_steps_that_read_the_stored_cache(context):
     tiny, _, question, states = context
     answer = list(range(60, 66))
     ask_ = {
-        m: ask(tiny.model, tiny.tokenizer, PackedCache.from_states(states, CacheSpec.resolve(m, 4096)), question, answer, 8)
+        m: ask(
+            tiny.model, tiny.tokenizer, PackedCache.from_states(states, CacheSpec.resolve(m, 4096)), question, answer, 8
+        )
         for m in ("fp16", "turbo2@engine", "turbo2")
     }
     fp16, engine, strict = (ask_[m].answer_logsoftmax for m in ("fp16", "turbo2@engine", "turbo2"))

@@ -5,7 +5,7 @@
 2. :func:`context_states` takes each layer's context out of it (keys and values of attention layers, the
    recurrent state of linear-attention ones) and a KV method stores it in a :class:`~niah.kv.cache.PackedCache`.
 3. :func:`ask` runs the question over the packed cache, so every question and answer token reads the
-   quantized context (no "prefill gap"; in the ``engine`` read mode, as vLLM reads it: see :mod:`niah.kv.cache`), then
+   quantized context (no "prefill gap"; in the ``engine`` read mode, as vLLM reads it: :mod:`niah.kv.cache`), then
    * teacher-forces the expected answer: its log-probability and the per-position log-softmax
      (for KL and top-1 agreement against the reference method), and
    * decodes greedily for the scored text (from the first token where the teacher-forced argmax leaves
@@ -53,13 +53,18 @@ def context_states(cache: DynamicCache) -> list[LayerState]:
             out.append(LayerState(LINEAR, seen, linear=copy.deepcopy(layer)))
         elif type(layer) is DynamicSlidingWindowLayer:
             keep = layer.sliding_window - 1
-            out.append(LayerState(SLIDING, seen, layer.keys[..., -keep:, :], layer.values[..., -keep:, :], layer.sliding_window))
+            out.append(
+                LayerState(
+                    SLIDING, seen, layer.keys[..., -keep:, :], layer.values[..., -keep:, :], layer.sliding_window
+                )
+            )
         elif type(layer) is DynamicLayer:
             out.append(LayerState(FULL, seen, layer.keys, layer.values))
         else:
             raise UnsupportedLayout(
-                f"layer {i} keeps a {type(layer).__name__}, which this repo's cache cannot store (it stores full-attention, "
-                "sliding-window and linear-attention layers): use a model whose layers are of those types"
+                f"layer {i} keeps a {type(layer).__name__}, which this repo's cache cannot store (it stores "
+                "full-attention, sliding-window and linear-attention layers): use a model whose layers are of those "
+                "types"
             )
     return out
 
@@ -79,7 +84,9 @@ class Answer:
 
 
 @torch.no_grad()
-def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_ids: list[int], max_new_tokens: int) -> Answer:
+def ask(
+    model, tokenizer, cache: PackedCache, question_ids: list[int], answer_ids: list[int], max_new_tokens: int
+) -> Answer:
     """Question pass over ``cache`` (mutated), teacher-forced answer, and greedy generation.
 
     Greedy decoding picks the argmax at every step, so it reproduces the expected answer for exactly as many
@@ -99,16 +106,26 @@ def ask(model, tokenizer, cache: PackedCache, question_ids: list[int], answer_id
     logsm = torch.log_softmax(torch.cat([out.logits[0, -1:], forced.logits[0, :-1]]).float(), dim=-1)
     answer_logprob, j = teacher_forced(logsm, answer_ids)
     if j == len(answer_ids):
-        return Answer(tokenizer.decode(answer_ids, skip_special_tokens=True), answer_logprob, logsm.cpu(), float("nan"), question_s)
+        return Answer(
+            tokenizer.decode(answer_ids, skip_special_tokens=True),
+            answer_logprob,
+            logsm.cpu(),
+            float("nan"),
+            question_s,
+        )
     if j:
         model(input_ids=torch.tensor([answer_ids[:j]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
 
     def step(token: int) -> int:
-        return int(model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1].argmax())
+        return int(
+            model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1].argmax()
+        )
 
     generated = answer_ids[:j] + [int(logsm[j].argmax())]
     decode_s = greedy_from(generated, step, max_new_tokens, tokenizer.eos_token_id, tokenizer.decode)
-    return Answer(tokenizer.decode(generated, skip_special_tokens=True), answer_logprob, logsm.cpu(), decode_s, question_s)
+    return Answer(
+        tokenizer.decode(generated, skip_special_tokens=True), answer_logprob, logsm.cpu(), decode_s, question_s
+    )
 
 
 def read_prompt(model, cache: PackedCache, ids: list[int], logits_to_keep: int = 0):
@@ -167,7 +184,13 @@ def scored_fields(ans: Answer, expected: list[str], ref_logsoftmax: torch.Tensor
 
 
 def answer_fields(
-    ans: Answer, expected: list[str], ref_logsoftmax: torch.Tensor, nbytes: dict, values: int, method: KVMethod, head_dim: int
+    ans: Answer,
+    expected: list[str],
+    ref_logsoftmax: torch.Tensor,
+    nbytes: dict,
+    values: int,
+    method: KVMethod,
+    head_dim: int,
 ) -> dict:
     """The scored columns of a needle row (:func:`scored_fields`) and the stored bytes by layer type (``nbytes``:
     :meth:`PackedCache.nbytes`; ``values``: K and V entries of the context, for bits per value)."""
@@ -203,9 +226,10 @@ def check_engine_reads(specs: dict[str, CacheSpec], longest_context: int) -> Non
     chunk = min((specs[name].engine_chunk for name in engine), default=longest_context)
     if longest_context > chunk:
         raise ValueError(
-            f"{', '.join(engine)}: a {longest_context}-token context is longer than niah.engine_chunk ({chunk} tokens), and its "
-            "later chunks would need a prefill per method, which this repo does not run yet: raise niah.engine_chunk to at "
-            f"least {longest_context} (vLLM's max_num_batched_tokens) or drop the longer lengths"
+            f"{', '.join(engine)}: a {longest_context}-token context is longer than niah.engine_chunk ({chunk} "
+            "tokens), and its later chunks would need a prefill per method, which this repo does not run yet: raise "
+            f"niah.engine_chunk to at least {longest_context} (vLLM's max_num_batched_tokens) or drop the longer "
+            "lengths"
         )
 
 

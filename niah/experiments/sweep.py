@@ -278,11 +278,12 @@ def cold_vs_warm(cfg: Config, target: int, warmup: int, repeats: int = 1) -> dic
     for _ in range(repeats):
         for label, w in (("cold", 0), ("warm", warmup)):
             code = (
-                "import json, sys; from niah.experiments.sweep import first_request_ttft; "
-                f"print(json.dumps(first_request_ttft(json.load(sys.stdin), {target}, {w})))"
+                "import json, sys; from niah.config import validate; from niah.experiments.sweep import "
+                "first_request_ttft; "
+                f"print(json.dumps(first_request_ttft(validate(json.load(sys.stdin)), {target}, {w})))"
             )
             proc = subprocess.run(
-                [sys.executable, "-c", code], input=json.dumps(cfg), capture_output=True, text=True, cwd=env.ROOT
+                [sys.executable, "-c", code], input=json.dumps(cfg.raw), capture_output=True, text=True, cwd=env.ROOT
             )
             if proc.returncode:
                 err = proc.stderr.strip()
