@@ -89,7 +89,7 @@ class Pool:
                     )
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise ClusterError(
-                    f"could not reach the Ray cluster at {s['address'] or 'a new local cluster'}: {err}"
+                    f"could not reach the Ray cluster at {s.address or 'a new local cluster'}: {err}"
                 ) from None
         actor = ray.remote(_Worker)
         host = socket.gethostname()

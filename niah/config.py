@@ -172,7 +172,8 @@ def _resolve(raw: dict, where: str) -> Config:
             check_model(top[key], key)
     niah = _niah(raw.get("niah", {}))
     _check_haystack(top["haystack"], top["haystack_folder"])
-    given = {s: raw.get(s, {}) for s in SECTIONS if s != "niah"}
+    given = {s: copy.deepcopy(raw.get(s, {})) for s in SECTIONS if s != "niah"}
+    given["cluster"] = given["cluster"] or {}  # an empty `cluster:` asks for no cluster, as it always has
     sections = {s: cls(present=bool(given[s]), **filled(s, given[s])) for s, cls in SECTIONS.items() if s != "niah"}
     battery = sections["battery"].resolved(niah)
     resolved = dict(

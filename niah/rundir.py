@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,16 @@ def hashed_settings(table: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(hashed), tuple(rows)
 
 
+def conditionally_hashed(table: str) -> list[tuple[str, Callable]]:
+    """The settings (``section.key``) that ``table`` hashes only where their ``hashed_when`` condition holds."""
+    return [
+        (f"{name}.{k}", m["hashed_when"][table])
+        for name, cls in SECTIONS.items()
+        for k, m in cls.settings().items()
+        if table in m["hashed_when"]
+    ]
+
+
 def _kind(kind: str) -> TableKind:
     if kind not in TABLES:
         raise ValueError(f"unknown results table {kind!r}: choose one of {', '.join(TABLES)}")
@@ -103,6 +114,9 @@ def settings_hash(cfg: Config, kind: str) -> str:
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if f"{dotted}.{k}" not in spec.ignored}
         body[dotted] = value
+    for dotted, when in conditionally_hashed(kind):
+        if when(cfg):
+            body[dotted] = _setting(cfg.raw, dotted)
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -59,16 +59,20 @@ def each(rules: dict[str, Callable]) -> Callable:
     return lambda v: v if not isinstance(v, dict) else {k: rules[k](x) if k in rules else x for k, x in v.items()}
 
 
-def setting(default: Any, *, rows=(), hashed_by=(), dry: Callable | None = None, lowest: int = 1) -> Any:
+def setting(
+    default: Any, *, rows=(), hashed_by=(), hashed_when=None, dry: Callable | None = None, lowest: int = 1
+) -> Any:
     """A config setting's dataclass field.
 
     ``default``: its value when the YAML leaves it out (copied for each config; a ``None`` default takes any kind,
     otherwise the value must be of the default's kind: :func:`check_types`).  ``rows``: the tables in whose settings
     hash it is left out because it only chooses which rows exist (adding a method runs only that method).
     ``hashed_by``: tables that hash it on its own, besides those that hash its whole section (``Section.HASHED_BY``).
+    ``hashed_when``: {table: when}, tables that hash it only for configs where ``when(cfg)`` holds.
     ``dry``: how a dry run shrinks it (a function of its value).  ``lowest``: an integer setting's least value.
     """
     meta = {"default": default, "rows": tuple(rows), "hashed_by": tuple(hashed_by), "dry": dry, "lowest": lowest}
+    meta["hashed_when"] = hashed_when or {}
     return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
 
 
@@ -112,6 +116,11 @@ class Top(Section):
     haystack_folder: str = setting("data/haystack", hashed_by=TABLES)  # the .txt files of haystack: folder
 
 
+def engine_sweep(cfg) -> bool:
+    """Whether the sweep asks a method read in vLLM's engine mode (its rows then depend on ``niah.engine_chunk``)."""
+    return any(m.endswith("@engine") for m in cfg.sweep.methods)
+
+
 @dataclass(frozen=True)
 class Niah(Section):
     """The needle grid, and what the battery, sweep and llama.cpp runs share with it."""
@@ -132,7 +141,7 @@ class Niah(Section):
     # the prompt chunk of methods read in vLLM's engine mode (name@engine): vLLM 0.34.0's default
     # max_num_batched_tokens on a >= 70 GiB GPU (H100, H200) with the LLM class (engine/arg_utils.py,
     # get_batch_defaults); `vllm serve` uses 8192
-    engine_chunk: int = setting(16384, hashed_by=(SWEEP, KVPPL), dry=shorter)  # sweep: name@engine rows read with it
+    engine_chunk: int = setting(16384, hashed_by=(KVPPL,), hashed_when={SWEEP: engine_sweep}, dry=shorter)
 
 
 @dataclass(frozen=True)

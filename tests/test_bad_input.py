@@ -13,14 +13,20 @@ import torch
 import yaml
 
 from niah.__main__ import main
-from niah.config import ROOT, ConfigError, load_config, validate
+from niah.config import ROOT, Config, ConfigError, load_config, validate
 from niah.experiments.grid import run_grid
 from niah.models import ModelUnavailable, _converted_folder, _hub_reachable, _verified, load_model, sha256_of
 from niah.results import ResultsCorrupt, ResultsTable, TableLocked, move_tail_aside, read_rows
 from niah.rundir import NEEDLE_KEY, load_table, settings_hash
 
+# the keys of one needle row of the small smoke config (:func:`_small`)
+ROW_KEY = {
+    "config": "smoke", "model": "m", "prompt_style": "completion",
+    "length": 256, "depth": 0.5, "trial": 0, "method": "fp16",
+}  # fmt: skip
 
-def _raw(cfg: dict, **changes) -> dict:
+
+def _raw(cfg: Config, **changes) -> dict:
     raw = copy.deepcopy(cfg.raw)
     for k, v in changes.items():
         raw[k] = {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v
@@ -111,15 +117,7 @@ def test_an_error_row_is_redone_and_replaced(smoke_cfg, tiny, tmp_path):
     cfg = _small(smoke_cfg)
     path = tmp_path / "r.jsonl"
     table = ResultsTable(path, NEEDLE_KEY, settings_hash(cfg, "needles"), ("answer_logprob",))
-    row = {
-        "config": "smoke",
-        "model": "m",
-        "prompt_style": "completion",
-        "length": 256,
-        "depth": 0.5,
-        "trial": 0,
-        "method": "fp16",
-    }
+    row = dict(ROW_KEY)
     table.append({**row, "status": "ok", "answer_logprob": float("nan")})
     assert table.key(row) not in table.done
     table.append({**row, "status": "ok", "answer_logprob": -1.0})
@@ -235,13 +233,7 @@ def test_two_processes_converting_one_model_both_get_it_and_leave_no_partial(tmp
 def test_duplicate_keys_count_once_with_a_warning(smoke_cfg, tmp_path):
     cfg = _small(smoke_cfg)
     row = {
-        "config": "smoke",
-        "model": "m",
-        "prompt_style": "completion",
-        "length": 256,
-        "depth": 0.5,
-        "trial": 0,
-        "method": "fp16",
+        **ROW_KEY,
         "status": "ok",
         "settings_hash": settings_hash(cfg, "needles"),
     }
@@ -620,3 +612,10 @@ def test_a_row_cut_off_half_way_by_a_full_disk_is_taken_back(tmp_path, monkeypat
     with pytest.raises(OSError):
         table.append({"k": 2, "status": "ok", "text": "x" * 10_000})
     assert (tmp_path / "t.jsonl").read_bytes() == before
+
+
+def test_an_empty_cluster_key_asks_for_no_cluster(smoke_cfg):
+    """``cluster:`` with nothing under it has always meant no cluster (the other sections must be mappings)."""
+    assert not validate(_raw(smoke_cfg, cluster=None)).cluster.present
+    with pytest.raises(ConfigError, match="battery must be a mapping"):
+        validate(_raw(smoke_cfg, battery=None))

@@ -103,3 +103,44 @@ def test_engine_read_methods_run_through_the_sweep(smoke_with, tiny, tmp_path):
     assert sorted((r["method"], r["length"], r["status"]) for r in rows) == [
         (m, L, "ok") for m in ("fp16", "q8_0@engine") for L in (1, 256)
     ]
+
+
+def test_the_sweep_hashes_the_engine_chunk_only_when_it_asks_an_engine_method(smoke_cfg, smoke_with):
+    """``niah.engine_chunk`` is hashed by the sweep table where the sweep reads a method as vLLM does (its rows depend
+    on it), and nowhere else: the sweep rows of every config without such a method keep their hash."""
+    from niah.rundir import settings_hash
+
+    engine = smoke_with("sweep", methods=["fp16", "q8_0@engine"])
+    assert settings_hash(engine, "sweep") != settings_hash(engine.updated("niah", engine_chunk=8192), "sweep")
+    assert settings_hash(smoke_cfg, "sweep") == settings_hash(smoke_cfg.updated("niah", engine_chunk=8192), "sweep")
+
+
+def test_paired_decode_steps_of_an_engine_method_read_the_stored_cache(tiny, monkeypatch):
+    """TPOT times vLLM's decode kernel, which reads the stored form: each paired decode step of ``q4_0@engine`` gives
+    the logits of ``q4_0`` read strict (reading the raw context instead, it gave other logits)."""
+    import torch
+
+    import niah.experiments.sweep as sweep
+    from niah.experiments.protocol import context_states, prefill
+    from niah.kv.spec import CacheSpec
+
+    logits, real = {}, sweep._decode_step
+
+    def step(model, cache, token):  # the step's logits, by method
+        hook = model.register_forward_hook(
+            lambda m, i, out: logits.setdefault(cache.spec.method.name, []).append(out.logits)
+        )
+        try:
+            return real(model, cache, token)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(sweep, "_decode_step", step)
+    kv = context_states(prefill(tiny.model, list(range(40, 104)), chunk=64))
+    specs = {
+        n: CacheSpec.resolve(n, 4096, fused_decode=True, keep_dequantized=False)
+        for n in ("fp16", "q4_0", "q4_0@engine")
+    }
+    sweep._paired_tpot(tiny, kv, specs, {n: 7 for n in specs}, 4, "fp16")
+    assert len(logits["q4_0@engine"]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(logits["q4_0"], logits["q4_0@engine"]))

@@ -112,3 +112,9 @@ def test_fp32_cells_answer_the_batterys_questions_and_a_scheme_gets_its_own_rows
     assert len(again) == 8 and len(read_rows(path)) == 16, "a rerun asks nothing again"
     text = "\n".join(_weights_parts(cfg, RunDir(cfg, tmp_path)))
     assert "**Weights x KV cache**" in text and "| W4 RTN" in text and "**Interaction**" in text
+
+
+def test_the_weights_cells_ask_every_kv_method_whatever_the_batterys_method_lengths(smoke_with):
+    """``battery.method_lengths`` narrows notebook 03's battery, not notebook 01's weights x KV cells."""
+    cfg = smoke_with("battery", method_lengths={"q4_0": [1024]})
+    assert cfg.battery.method_lengths and needle_battery(cfg).method_lengths == {}

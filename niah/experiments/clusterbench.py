@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..cluster import Pool, Unit
@@ -32,6 +33,11 @@ def _battery_slice(cfg: Config, length: int, contexts: int, needles: int, method
     return cfg.updated("battery", lengths=[length], contexts=contexts, needles=needles, methods=methods)
 
 
+def _one_process(cfg: Config) -> Config:
+    """``cfg`` run in this process even where ``--cluster`` (NIAH_CLUSTER) asks for a cluster: the baseline."""
+    return replace(cfg, cluster=replace(cfg.cluster, present=False))
+
+
 def _timed_battery(cfg: Config, lm, folder: Path, name: str) -> float:
     t0 = time.perf_counter()
     run_battery(cfg, lm, folder / f"{name}.jsonl", progress=False)
@@ -46,7 +52,7 @@ def workers_vs_threads(
     cfg = _battery_slice(load_config(config).updated("", threads=2), length, contexts, needles, list(methods))
     lm = load_model(cfg.model, device=cfg.device)
     with tempfile.TemporaryDirectory() as tmp:
-        one = _timed_battery(cfg, lm, Path(tmp), "one")
+        one = _timed_battery(_one_process(cfg), lm, Path(tmp), "one")
         many = _timed_battery(cfg.updated("cluster", **LOCAL), lm, Path(tmp), "many")
     start = _startup(cfg.updated("cluster", **LOCAL))
     return {
@@ -74,7 +80,7 @@ def unit_overhead(units: int = 200) -> dict:
     lm = load_model(cfg.model)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        run_battery(cfg, lm, Path(tmp) / "one.jsonl", progress=False)
+        run_battery(_one_process(cfg), lm, Path(tmp) / "one.jsonl", progress=False)
         battery_s = time.perf_counter() - t0
     battery_units = len(battery_contexts(cfg, lm)) * len(cfg.battery.lengths)
     with Pool(cfg.updated("cluster", **LOCAL)) as pool:

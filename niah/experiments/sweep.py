@@ -69,6 +69,8 @@ def _paired_tpot(lm, kv, methods: dict, first: dict[str, int], steps: int, ref: 
     or less apart, so a slow spell of a shared machine moves both (timed method after method, ratios at 16K moved by
     up to 1.4x between runs).  Returns per method ``tpot_median_s``, ``tpot_p90_s`` and ``tpot_vs_ref``."""
     caches = {n: PackedCache.from_states(kv, m) for n, m in methods.items()}
+    for cache in caches.values():
+        cache.end_prompt()  # decode steps read the stored form (engine mode: vLLM's decode kernel), not the raw prompt
     tokens, times, names = dict(first), {n: [] for n in methods}, list(methods)
     with fused_decoding(lm.model):
         for r in range(steps):

@@ -45,7 +45,8 @@ def needle_battery(cfg: Config) -> Battery:
     # the battery's own questions only where every needle length is one of its lengths; else a battery of those alone
     if not s.present or not set(lengths) <= set(s.lengths):
         s = replace(s, lengths=lengths)
-    return replace(s, **{k: v for k, v in w.needle.items() if v is not None})
+    # the weights x KV cells ask every kv_method at every needle length: the battery's method_lengths are its own
+    return replace(s, method_lengths={}, **{k: v for k, v in w.needle.items() if v is not None})
 
 
 def run_needles(cfg: Config, lm, qm: QuantizedModel, methods: list[str], path) -> pd.DataFrame:
