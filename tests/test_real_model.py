@@ -3,19 +3,16 @@
 
 import pytest
 
-from niah.config import load_config, validate
+from niah.config import Config, load_config
 from niah.experiments.grid import run_grid
 from niah.results import read_rows
 
 pytestmark = pytest.mark.slow
 
 
-def _grid_cfg(model: dict, length: int, depths: list[float]) -> dict:
-    base = load_config("cpu")
-    raw = {k: v for k, v in base.items() if k != "hash"}
-    raw["model"] = model
-    raw["niah"] = {**base["niah"], "lengths": [length], "depths": depths, "trials": 1, "methods": ["fp16"]}
-    return validate(raw)
+def _grid_cfg(model: dict, length: int, depths: list[float]) -> Config:
+    base = load_config("cpu").updated("", model=model)
+    return base.updated("niah", lengths=[length], depths=depths, trials=1, methods=["fp16"])
 
 
 def test_smollm2_finds_a_needle_at_1k_deterministically(tmp_path):
@@ -57,4 +54,4 @@ def test_pydoc_holds_the_gemma_tokens_the_cpu_battery_needs_side_by_side():
     tokens = len(tok.encode(haystack_text("pydoc"), add_special_tokens=False))
     battery = load_config("cpu").battery
     assert tokens == 112_705
-    assert battery["contexts"] * max(battery["lengths"]) <= tokens < 10 * max(battery["lengths"])
+    assert battery.contexts * max(battery.lengths) <= tokens < 10 * max(battery.lengths)
