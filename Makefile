@@ -27,8 +27,12 @@ setup: $(VENV)/.notebooks
 ## the optional llama.cpp cross-check (notebook 03's last section): compiles llama-cpp-python from source
 setup-llamacpp: $(VENV)/.llamacpp
 
+## a portable AVX2 build (GGML_NATIVE=OFF), never a cached wheel: llama-cpp-python 0.3.36 built with -march=native
+## segfaulted in its first decode on this workplace's AVX-512 machines (2026-12-07); the AVX2 build runs on both kinds
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+
 $(VENV)/.llamacpp: $(VENV)/.base
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[llamacpp]"
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-cache-dir -e ".[llamacpp]"
 	touch $@
 
 ## the optional Ray extra (niah.cluster): a config's cells on many workers

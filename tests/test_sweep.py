@@ -85,7 +85,11 @@ def test_paired_tpot_ratio_ignores_a_machine_that_slows_down(monkeypatch):
         calls.append(cache)
         return token + 1, cost[cache] * (1.0 if len(calls) <= 3 * 8 else 3.0)
 
-    monkeypatch.setattr(sweep.PackedCache, "from_states", staticmethod(lambda kv, method, **kw: method))
+    class Cache(str):  # a method's cache is its name here; the prompt it ends is none
+        def end_prompt(self):
+            pass
+
+    monkeypatch.setattr(sweep.PackedCache, "from_states", staticmethod(lambda kv, method, **kw: Cache(method)))
     monkeypatch.setattr(sweep, "_decode_step", step)
     monkeypatch.setattr(sweep, "fused_decoding", lambda model: contextlib.nullcontext())
     lm = type("LM", (), {"model": None})()
