@@ -121,6 +121,16 @@ def engine_sweep(cfg) -> bool:
     return any(m.endswith("@engine") for m in cfg.sweep.methods)
 
 
+def static_needles(cfg) -> bool:
+    """Whether the needle questions ask a ``+static`` method (its rows then depend on the calibration split)."""
+    return any("+static" in m for m in [*cfg.niah.methods, *(cfg.battery.methods or [])])
+
+
+def static_sweep(cfg) -> bool:
+    """Whether the sweep asks a ``+static`` method."""
+    return any("+static" in m for m in cfg.sweep.methods)
+
+
 @dataclass(frozen=True)
 class Niah(Section):
     """The needle grid, and what the battery, sweep and llama.cpp runs share with it."""
@@ -293,7 +303,9 @@ class WeightQuant(Section):
     NAME = "weightquant"
     HASHED_BY = (WEIGHTS, WEIGHT_NEEDLES)
     # share of pydoc topic keys used for calibration (see weightquant.data.split_keys)
-    calibration_share: float = setting(0.25, hashed_by=(KVPPL,))
+    calibration_share: float = setting(
+        0.25, hashed_by=(KVPPL,), hashed_when={NEEDLES: static_needles, SWEEP: static_sweep}
+    )  # also +static key statistics (niah.experiments.keystats)
     # sample_tokens: kept per layer input for AWQ
     calibration: dict = setting(
         {"samples": 16, "seqlen": 256, "sample_tokens": 1024},

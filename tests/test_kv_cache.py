@@ -26,9 +26,14 @@ from niah.kv.registry import LayerPolicy, available, get_method
 from niah.kv.spec import CacheSpec
 
 # each codec on every layer of the 2-layer model (a layer policy such as vLLM's would keep both at fp16), and
-# centred keys
+# keys centred and scaled
 METHODS = [m if get_method(m).layers == LayerPolicy() else f"{m}+all_layers" for m in available() if m != "fp16"]
-METHODS += ["q4_0+centred", "turboquant_k3v4_nc+centred+all_layers"]
+METHODS += [
+    "q4_0+centred",
+    "turboquant_k3v4_nc+centred+all_layers",
+    "q4_0+scaled",
+    "turboquant_k3v4_nc+centred+scaled+all_layers",
+]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from niah.experiments.protocol import ask, check_engine_reads, context_states, prefill, read_prompt
+from niah.experiments.protocol import ask, context_states, prefill, read_prompt
+from niah.experiments.specs import check_engine_reads
 from niah.kv.cache import CONTINUATION_DECODE_THRESHOLD, LayerState, PackedCache, PackedLayer
 from niah.kv.layout import FULL, LINEAR, SLIDING
 from niah.kv.methods.turboquant_vllm import (

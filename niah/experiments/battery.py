@@ -33,7 +33,8 @@ from ..kv.layout import CacheLayout
 from ..schema import Battery, ConfigError
 from .base import Collect, Experiment, RowSink, too_long_reason
 from .grid import Cell, SharedPrompt, cell_keys, croppable, extend_shared, run_grid
-from .protocol import answer_fields, ask, cache_spec, check_engine_reads, context_states, kv_entries, prefill
+from .protocol import answer_fields, ask, context_states, kv_entries, prefill
+from .specs import cache_spec, check_engine_reads
 
 
 def battery_contexts(cfg: Config, lm, s: Battery | None = None) -> list:
@@ -256,7 +257,7 @@ def _ask_all(sink: RowSink, lm, unit: BatteryUnit, states, qs: list[Question], p
     """Store ``states`` once per method and ask every question of ``qs`` over it (over a clone where there are
     several; the reference first, whose answer logits the others' KL is taken against)."""
     plan, missing, max_new = unit.plan, unit.missing, sink.cfg.niah.max_new_tokens
-    methods = {m: cache_spec(sink.cfg, m, sliding=plan.sliding) for m in plan.methods}  # name -> CacheSpec
+    methods = {m: cache_spec(sink.cfg, m, lm, sliding=plan.sliding) for m in plan.methods}  # name -> CacheSpec
     ref = plan.methods[0]
     values, rows, ref_logsm = kv_entries(states), [], {}
     todo = {m for q in qs for m in missing(q)}

@@ -24,7 +24,8 @@ from ..data.needles import NeedleSpec, make_trial
 from ..data.prompts import CellPrompt, build_cell
 from ..kv.layout import CacheLayout
 from .base import Experiment, too_long_reason
-from .protocol import answer_fields, cache_spec, check_engine_reads, context_states, kv_entries, prefill, run_method
+from .protocol import answer_fields, context_states, kv_entries, prefill, run_method
+from .specs import cache_spec, check_engine_reads
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def run_grid(cfg: Config, loaded, out_path: Path | None = None, progress: bool =
     """Run every missing (cell, method) row of ``cfg`` with the loaded model; return the table's path."""
     exp = Experiment(cfg, "needles", loaded.name, out_path, progress)
     n = cfg.niah
-    methods = {m: cache_spec(cfg, m) for m in n.methods}
+    methods = {m: cache_spec(cfg, m, loaded) for m in n.methods}
     for m in methods.values():
         m.method.check_head_dim(loaded.head_dim)
     CacheLayout.from_config(loaded.model.config).check_context(min(n.lengths), loaded.name)

@@ -27,7 +27,8 @@ from ..kv.registry import get_method
 from ..kv.spec import CacheSpec
 from ..weightquant.data import split_text, token_windows
 from .base import Collect, Experiment, RowSink
-from .protocol import cache_spec, check_engine_reads, compare_logits, context_states, kv_entries, prefill, read_prompt
+from .protocol import compare_logits, context_states, kv_entries, prefill, read_prompt
+from .specs import cache_spec, check_engine_reads
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _score_window(sink: RowSink, lm, unit: Window) -> None:
     kv = context_states(prefill(lm.model, ids[: s.context], chunk=cfg.niah.prefill_chunk))
     ref_logsm = None
     for name in unit.methods:
-        row, logsm = _score(lm, kv, cache_spec(cfg, name, fresh_prompt=False), ids[s.context :])
+        row, logsm = _score(lm, kv, cache_spec(cfg, name, lm, fresh_prompt=False), ids[s.context :])
         ref_logsm = logsm if ref_logsm is None else ref_logsm
         row["kl_vs_ref"], row["top1_vs_ref"] = compare_logits(ref_logsm, logsm)
         if name in unit.todo:

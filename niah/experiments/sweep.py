@@ -36,8 +36,9 @@ from ..kv.layout import FULL, SLIDING, CacheLayout
 from ..kv.spec import CacheSpec
 from ..models import load_model
 from .base import Collect, Experiment, RowSink
-from .protocol import ask, cache_spec, check_engine_reads, compare_logits, context_states, kv_entries, prefill
+from .protocol import ask, compare_logits, context_states, kv_entries, prefill
 from .scoring import string_match_all
+from .specs import cache_spec, check_engine_reads
 from .telemetry import MemorySampler, model_cuda_devices
 
 
@@ -141,7 +142,9 @@ def _run_steps(sink: RowSink, lm, todo: dict[int, list[str]]) -> None:
     lengths = [L for L in sorted(s.lengths) if L <= max(todo)]
     # the real decode path: every step reads the whole stored cache, chunk by chunk
     decode = {"keep_dequantized": False, "fused_decode": True}
-    methods = {m: cache_spec(cfg, m, **decode) for m in dict.fromkeys([ref, *(m for ms in todo.values() for m in ms)])}
+    methods = {
+        m: cache_spec(cfg, m, lm, **decode) for m in dict.fromkeys([ref, *(m for ms in todo.values() for m in ms)])
+    }
     hay = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, longest)
     trial = make_trial(NeedleSpec(**{**cfg.niah.needle, "variant": "single"}), random.Random(f"{cfg.seed}/sweep"))
     cell = build_cell(lm.tokenizer, hay, longest, 0.0, trial, "completion")

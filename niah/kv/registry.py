@@ -1,14 +1,22 @@
 """Names -> KV methods: the registry of quantizers, the grammar of a method name, and each method's layer policy.
 
-A name is ``<method>[+centred][+keys|+values][+full|+sliding|+all_layers][@strict|@engine]``.  ``<method>`` is a
-registered quantizer used for keys and values alike (``q8_0``, ``turbo3``), a pair registered as ``<name>_key`` and
-``<name>_value`` (``kivi2``: per-channel keys, per-token values), or ``k<spec>v<spec>``, each spec a registered name
-or a bit width of ``BITS_ALIAS`` (``k8v4`` = keys ``q8_0``, values ``q4_0``; ``kq8_0vturbo3``).  ``+centred`` centres
-keys (:class:`~niah.kv.methods.centred.Centred`); ``+keys`` / ``+values`` store only that side with the method, the
-other at fp16; ``+full`` / ``+sliding`` only that attention layer type (the policy's boundary layers still kept);
-``+all_layers`` drops the layer policy.  ``@strict`` (the default) quantizes every read; ``@engine`` reads as vLLM
-does (:mod:`niah.kv.cache`).  A method's :class:`LayerPolicy` says which attention layers it stores; the others are
-kept at fp16.  See docs/kv-methods.md and docs/design-notes.md#niah.kv.registry.
+A name is ``<method>[+<modifier>...][@strict|@engine]``.  ``<method>`` is a registered quantizer used for keys and
+values alike (``q8_0``, ``turbo3``), a pair registered as ``<name>_key`` and ``<name>_value`` (``kivi2``: per-channel
+keys, per-token values), or ``k<spec>v<spec>``, each spec a registered name or a bit width of ``BITS_ALIAS``
+(``k8v4`` = keys ``q8_0``, values ``q4_0``; ``kq8_0vturbo3``).  The modifiers, each at most once, in any order:
+
+* keys' statistics (:class:`~niah.kv.methods.affine.KeyAffine`): ``+centred`` takes out the per-channel key mean,
+  ``+scaled`` divides by the per-channel scale, ``+static`` takes both from a per-model calibration
+  (:mod:`niah.experiments.keystats`) instead of each prompt;
+* raw tokens: ``+sink<N>`` keeps the first ``N`` tokens of keys and values raw (:class:`~niah.kv.methods.sink.Sink`),
+  ``+recent<N>`` the newest ``N`` (the cache's residual window, as KIVI);
+* one side: ``+keys`` / ``+values`` store only that side with the method, the other at fp16;
+* layers (one of): ``+full`` / ``+sliding`` only that attention layer type (the policy's boundary layers still
+  kept), ``+all_layers`` drops the layer policy, ``+layers=<i>[,<j>...]`` stores those decoder layers only.
+
+``@strict`` (the default) quantizes every read; ``@engine`` reads as vLLM does (:mod:`niah.kv.cache`).  A method's
+:class:`LayerPolicy` says which attention layers it stores; the others are kept at fp16.  See docs/kv-methods.md and
+docs/design-notes.md#niah.kv.registry.
 """
 
 from __future__ import annotations
@@ -19,13 +27,15 @@ from typing import Callable
 
 from .base import KVQuantizer
 from .layout import FULL, SLIDING
-from .methods.centred import Centred
+from .methods.affine import KeyAffine
+from .methods.sink import Sink
 
 _FACTORIES: dict[str, Callable[[], KVQuantizer]] = {}
 BITS_ALIAS = {"16": "fp16", "8": "q8_0", "4": "q4_0"}
 READ_MODES = ("strict", "engine")
-MODIFIERS = ("centred", "keys", "values", "full", "sliding", "all_layers")
-MODIFIER_GROUPS = (("keys", "values"), ("full", "sliding", "all_layers"))  # at most one modifier of each group
+MODIFIERS = ("centred", "scaled", "static", "keys", "values", "full", "sliding", "all_layers")
+NUMBERED = {"sink": r"sink(\d+)", "recent": r"recent(\d+)", "layers": r"layers=(\d+(?:,\d+)*)"}  # kind: pattern
+MODIFIER_GROUPS = (("keys", "values"), ("full", "sliding", "all_layers", "layers"))  # at most one of each group
 
 
 @dataclass(frozen=True)
@@ -39,16 +49,21 @@ class LayerPolicy:
     boundary: int = 0
     full: bool = True
     sliding: bool = True
+    only: tuple[int, ...] = ()  # when given, these decoder layers and no others (``+layers=5,11``)
 
     def stores(self, layer_idx: int, kind: str, layers: int, hybrid: bool) -> bool:
         """Whether decoder layer ``layer_idx`` of type ``kind`` (of ``layers``; ``hybrid``: the model has
         linear-attention layers) is stored with the method."""
+        if self.only:
+            return layer_idx in self.only
         if (kind == FULL and not self.full) or (kind == SLIDING and not self.sliding):
             return False
         n = 0 if hybrid else min(self.boundary, layers // 2)
         return not (layer_idx < n or layer_idx >= layers - n)
 
     def describe(self) -> str:
+        if self.only:
+            return f"decoder layers {', '.join(map(str, self.only))} only (the others kept at fp16)"
         kept = [f"first and last {self.boundary} layers (dense models)"] if self.boundary else []
         kept += [f"{k} layers" for k, on in (("full-attention", self.full), ("sliding-window", self.sliding)) if not on]
         return "every attention layer" if not kept else "all but " + ", ".join(kept) + " (kept at fp16)"
@@ -89,10 +104,17 @@ class KVMethod:
     value: KVQuantizer
     layers: LayerPolicy = field(default_factory=LayerPolicy)
     read_mode: str = "strict"
+    recent: int = 0  # ``+recent<N>``: the newest tokens kept raw, besides what the quantizers keep
 
     @property
     def residual(self) -> int:
-        return max(self.key.residual, self.value.residual)
+        return max(self.key.residual, self.value.residual, self.recent)
+
+    @property
+    def key_statistics(self) -> KeyAffine | None:
+        """The key wrapper that takes out per-channel statistics (``+centred``, ``+scaled``), if any."""
+        k = self.key.inner if isinstance(self.key, Sink) else self.key
+        return k if isinstance(k, KeyAffine) else None
 
     @property
     def token_group(self) -> int:
@@ -127,37 +149,57 @@ def get_method(name: str) -> KVMethod:
     if mode and mode not in READ_MODES:
         raise ValueError(f"unknown read mode {mode!r} in KV method {name!r}: choose {' or '.join(READ_MODES)}")
     core, *mods = spec.split("+")
-    bad = [m for m in mods if m not in MODIFIERS]
-    if bad or len(set(mods)) < len(mods) or any(len(set(g) & set(mods)) > 1 for g in MODIFIER_GROUPS):
+    kinds = [_kind(m) for m in mods]
+    if None in kinds or len(set(kinds)) < len(kinds) or any(len(set(g) & set(kinds)) > 1 for g in MODIFIER_GROUPS):
         raise ValueError(
-            f"bad modifiers {mods} in KV method {name!r}: each of {', '.join(MODIFIERS)} at most once, keys or values, "
-            "and one of full, sliding, all_layers"
+            f"bad modifiers {mods} in KV method {name!r}: each of {', '.join(MODIFIERS)}, sink<N>, recent<N> and "
+            "layers=<i>[,<j>] at most once; keys or values; one of full, sliding, all_layers, layers="
         )
+    if "static" in kinds and not {"centred", "scaled"} & set(kinds):
+        raise ValueError(f"{name!r}: +static calibrates the statistics of +centred or +scaled: add one of them")
     m = _core_method(core)
     m = replace(m, name=name, layers=_POLICIES.get(core, LayerPolicy()), read_mode=mode or "strict")
-    for mod in mods:
-        m = _modified(m, mod)
-    return m
+    return _modified(m, dict(zip(kinds, mods)))
+
+
+def _kind(mod: str) -> str | None:
+    """The modifier's kind (``"sink"`` for ``sink4``), None if it is none."""
+    if mod in MODIFIERS:
+        return mod
+    return next((kind for kind, pattern in NUMBERED.items() if re.fullmatch(pattern, mod)), None)
+
+
+def _number(mods: dict[str, str], kind: str) -> str | None:
+    return re.fullmatch(NUMBERED[kind], mods[kind]).group(1) if kind in mods else None
 
 
 def with_modifier(name: str, mod: str) -> str | None:
     """``name`` with the modifier ``mod`` added before its read mode (``"turboquant_k8v4@engine"``, ``"keys"`` ->
     ``"turboquant_k8v4+keys@engine"``); ``None`` when ``name`` already has ``mod`` or another of its group."""
     spec, at, mode = name.partition("@")
-    mods = set(spec.split("+")[1:])
-    group = next((g for g in MODIFIER_GROUPS if mod in g), (mod,))
-    return None if mods & set(group) else f"{spec}+{mod}{at}{mode}"
+    kinds, kind = {_kind(m) for m in spec.split("+")[1:]}, _kind(mod)
+    group = next((g for g in MODIFIER_GROUPS if kind in g), (kind,))
+    return None if kinds & set(group) else f"{spec}+{mod}{at}{mode}"
 
 
-def _modified(m: KVMethod, mod: str) -> KVMethod:
-    if mod == "centred":
-        return replace(m, key=Centred(m.key))
-    if mod in ("keys", "values"):
-        fp16 = _FACTORIES["fp16"]()
-        return replace(m, value=fp16) if mod == "keys" else replace(m, key=fp16)
-    if mod == "all_layers":
-        return replace(m, layers=LayerPolicy())
-    return replace(m, layers=replace(m.layers, full=mod == "full", sliding=mod == "sliding"))
+def _modified(m: KVMethod, mods: dict[str, str]) -> KVMethod:
+    """``m`` with the modifiers ``mods`` ({kind: as written}); the order they were written in does not matter."""
+    key, value, fp16 = m.key, m.value, _FACTORIES["fp16"]()
+    if {"centred", "scaled"} & set(mods):
+        key = KeyAffine(key, centre="centred" in mods, scale="scaled" in mods, static="static" in mods)
+    if "sink" in mods:  # outermost: the sink's outlier keys stay out of the statistics
+        n = int(_number(mods, "sink"))
+        key, value = Sink(key, n), Sink(value, n)
+    if "keys" in mods or "values" in mods:
+        key, value = (key, fp16) if "keys" in mods else (fp16, value)
+    layers = m.layers
+    if "all_layers" in mods:
+        layers = LayerPolicy()
+    elif "layers" in mods:
+        layers = LayerPolicy(only=tuple(sorted({int(i) for i in _number(mods, "layers").split(",")})))
+    elif "full" in mods or "sliding" in mods:
+        layers = replace(layers, full="full" in mods, sliding="sliding" in mods)
+    return replace(m, key=key, value=value, layers=layers, recent=int(_number(mods, "recent") or 0))
 
 
 def _core_method(name: str) -> KVMethod:

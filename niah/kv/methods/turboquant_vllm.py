@@ -36,6 +36,8 @@ PRESETS = {  # name: (key bits, 8 = fp8; value bits; norm correction), config.py
     "turboquant_k3v4_nc": (3, 4, True),
     "turboquant_3bit_nc": (3, 3, True),
 }
+# the same coding at bit widths vLLM has no preset for (value bits on the coded layers, 2-bit keys): not vLLM's
+VARIANTS = {"turboquant_k3v8_nc": (3, 8, True), "turboquant_k2v4_nc": (2, 4, True), "turboquant_k4v8_nc": (4, 8, True)}
 
 
 def key_packed_size(head_dim: int, bits: int) -> int:
@@ -180,7 +182,7 @@ class VllmValue(KVQuantizer):
         return (codes * _fp16_of(slot[..., -4:-2])[..., None] + _fp16_of(slot[..., -2:])[..., None]).to(p.dtype)
 
 
-for _name, (_kb, _vb, _nc) in PRESETS.items():
+for _name, (_kb, _vb, _nc) in (PRESETS | VARIANTS).items():
     register(f"{_name}_key")(lambda n=_name, b=_kb, nc=_nc: VllmKey(f"{n}_key", b, nc))
     register(f"{_name}_value")(lambda n=_name, b=_vb: VllmValue(f"{n}_value", b))
     set_policy(_name, VLLM_LAYERS)
