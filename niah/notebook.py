@@ -117,6 +117,27 @@ def _overview(part: pd.DataFrame, cfg: Config, style: str, figures_dir: Path) ->
     return paths
 
 
+def ablation(df: pd.DataFrame, cfg: Config, lm, figures_dir: Path) -> pd.DataFrame:
+    """Issue 41's ablation: every method asked at the battery's longest length against the reference, with its bits
+    per value on the coded layers (:func:`~niah.report.tables.ablation_table`), and its figure, saved as PNG and
+    SVG."""
+    # heavy: matplotlib and seaborn, for the figures only
+    import matplotlib.pyplot as plt
+
+    from .report.plots import ablation as ablation_figure
+    from .report.plots import save
+    from .report.tables import ablation_table
+
+    length, c = max(cfg.battery.lengths), lm.model.config
+    table = ablation_table(df, cfg.niah.reference, length, c.num_key_value_heads, lm.head_dim)
+    ok = df[(df["status"] == "ok") & (df["length"] == length) & (df["method"] == cfg.niah.reference)]
+    fig = ablation_figure(table, float((ok["score"] >= 1.0).mean()), length)
+    save(fig, figures_dir, f"kv_ablation_{length}")
+    plt.show()
+    plt.close(fig)
+    return table
+
+
 def perplexity_breakdown(cfg: Config, table: pd.DataFrame, figures_dir: Path) -> list[Path]:
     """The loss-breakdown figure of :func:`~niah.report.tables.perplexity_table`'s ``table`` (keys, values,
     full and sliding layers alone), when the config asks for ``kv_perplexity.breakdown``; saved as PNG and SVG."""

@@ -148,3 +148,35 @@ def loss_breakdown(table: pd.DataFrame, parts: dict[str, tuple[str, str]], value
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def ablation(table: pd.DataFrame, ref_accuracy: float, length: int):
+    """Accuracy at ``length`` against bits per value on the coded layers, one point per method of
+    :func:`niah.report.tables.ablation_table` with its 95% Wilson interval; vLLM's presets (plain names) filled,
+    the rest open; the reference's accuracy as a line."""
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    for _, r in table.iterrows():
+        preset = "+" not in r["method"] and r["method"].startswith("turboquant_")
+        yerr = [[r["accuracy"] - r["ci_low"]], [r["ci_high"] - r["accuracy"]]]
+        ax.errorbar(
+            r["coded_bits"],
+            r["accuracy"],
+            yerr=yerr,
+            fmt="o",
+            ms=6,
+            color="C0" if preset else "C1",
+            mfc="C0" if preset else "white",
+            ecolor="0.7",
+            lw=0.8,
+        )
+        ax.annotate(
+            r["method"], (r["coded_bits"], r["accuracy"]), fontsize=7, xytext=(4, 2), textcoords="offset points"
+        )
+    ax.axhline(ref_accuracy, color="0.4", ls="--", lw=1, label=f"reference (fp16): {ref_accuracy:.2f}")
+    ax.set_xlabel("bits per value on the layers the method codes (measured from the stored tensors)")
+    ax.set_ylabel(f"needle accuracy at {length} tokens (95% Wilson)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("Key tricks on vLLM's presets (filled: vLLM's presets as shipped)")
+    fig.tight_layout()
+    return fig

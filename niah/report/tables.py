@@ -1,5 +1,5 @@
 """Results tables of the experiments: perplexity through the stored cache, llama.cpp side by side, weight schemes x
-KV methods, and the weight schemes' generations and salient channels.
+KV methods, the weight schemes' generations and salient channels, and the key ablation at the longest length.
 
 Each function takes the rows an experiment wrote (:mod:`niah.experiments.kvppl`, :mod:`niah.experiments.llamacpp`,
 :mod:`niah.weightquant.needle`, :mod:`niah.weightquant.study`) and returns a DataFrame; the paired statistics they
@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pandas as pd
+import torch
 
 from ..weightquant.schemes import FP32, REF_METHOD
 from .stats import BOOTSTRAP, PAIR_KEY, mcnemar_exact, paired_bootstrap, paired_table
@@ -213,3 +214,27 @@ def salient_table(rows: pd.DataFrame) -> pd.DataFrame:
     out = df.pivot_table(index="variant", columns="w_bits", values="ppl")
     out = out.rename(columns=lambda b: f"W{int(b)} perplexity")
     return out.assign(fp32=rows["ppl_fp32"].iloc[0]).round(3)
+
+
+def coded_bits(method: str, kv_heads: int, head_dim: int, tokens: int) -> float:
+    """Bits per value of one attention layer that ``method`` codes, holding ``tokens`` tokens, measured from the stored
+    tensors: a random block of that shape stored in a :class:`~niah.kv.cache.PackedLayer` (codes, scales, key
+    statistics, raw sink tokens; raw recent tokens counted at fp16, as an engine keeps them).  The formats' sizes
+    depend on the shape only; ``+static`` stores the same tensors as the per-prompt form, so it is counted as that."""
+    from ..kv.cache import PackedLayer  # heavy: transformers, for this table only
+    from ..kv.registry import get_method
+
+    layer = PackedLayer(get_method(method.replace("+static", "")), 0, keep_dequantized=False)
+    x = torch.randn(1, kv_heads, tokens, head_dim, generator=torch.Generator().manual_seed(0))
+    layer.update(x, x)
+    packed, residual = layer.nbytes()
+    return 8 * (packed + residual * 2 // x.element_size()) / (2 * x.numel())
+
+
+def ablation_table(df: pd.DataFrame, ref: str, length: int, kv_heads: int, head_dim: int) -> pd.DataFrame:
+    """Every method asked at ``length`` against ``ref`` (:func:`~niah.report.stats.paired_table`), with the bits per
+    value on the layers it codes (:func:`coded_bits`), cheapest first: issue 41's ablation and the presets together."""
+    t = paired_table(df[df["length"] == length], ref)
+    t = t[t["method"] != ref].copy()
+    t.insert(1, "coded_bits", [coded_bits(m.partition("@")[0], kv_heads, head_dim, length) for m in t["method"]])
+    return t.drop(columns=["length", "min_detectable_drop"]).sort_values(["coded_bits", "method"], ignore_index=True)
