@@ -501,6 +501,11 @@ def test_each_3bit_turboquant_variant_is_judged_on_its_own_and_named_with_its_re
     assert verdict("S1-5", Evidence("x", niah=pd.concat([paper, lossy]))) == "refuted"
     r = row("S1-5", Evidence("x", niah=pd.concat([_niah(fp16=(1, 16, 0, -1)), lossless])))
     assert r["verdict"] == "inconclusive (code completion not measured; no needle loss: supported)"
+    tricks = _with_variant(_niah(**{"turboquant_3bit_nc+centred+scaled": (1, 14.0, 0, -1)}), "strict", policy, 3.3)
+    r = row("S1-5", Evidence("x", niah=pd.concat([paper, lossy, tricks])))
+    assert r["verdict"].startswith("partly (refuted for turbo3, turboquant_3bit_nc;") and r["verdict"].endswith(
+        "turboquant_3bit_nc+centred+scaled: no needle loss: supported)"
+    )
 
 
 def test_s1_1_reports_the_vllm_preset_over_the_whole_cache_and_on_its_coded_layers():

@@ -87,19 +87,6 @@ def test_sink_tokens_are_kept_at_fp16_and_the_rest_coded_as_before():
     assert SINK not in q.quantize_after(x[..., :3, :], p).tensors
 
 
-@pytest.mark.parametrize("name", ["q4_0+sink4", "turboquant_k3v4_nc+centred+scaled+sink4+all_layers"])
-def test_a_block_of_new_tokens_reads_as_the_same_tokens_stored_one_by_one(name):
-    x = _keys(3, tokens=240)
-    block, steps = (PackedLayer(get_method(name), 0) for _ in range(2))
-    for layer in (block, steps):
-        layer.update(x[..., :190, :], x[..., :190, :])
-    want = block.update(x[..., 190:, :], x[..., 190:, :])
-    for t in range(190, 240):
-        got = steps.update(x[..., t : t + 1, :], x[..., t : t + 1, :])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got[0][..., :4, :], x[..., :4, :].half().float())
-
-
 def test_recent_tokens_stay_raw_in_the_residual_window():
     m = get_method("q4_0+recent64")
     layer = PackedLayer(m, 0)
@@ -133,3 +120,49 @@ def test_preset_variants_code_at_their_bits(name, bits):
     assert m.value.quantize(x).tensors["slot"].shape[-1] == 256 * bits[1] // 8 + 4
     assert m.layers == get_method("turboquant_k3v4_nc").layers
     assert CacheSpec.resolve(name).method.value.bits == bits[1]
+
+
+def test_coded_bits_measures_each_modifier_from_the_stored_tensors():
+    from niah.report.tables import coded_bits
+
+    bits = {
+        m: coded_bits(m, 1, 256, 1024)
+        for m in ("fp16", "q8_0", "q8_0+centred", "q8_0+centred+static", "q8_0+sink4", "q8_0+recent128")
+    }
+    assert bits["fp16"] == 16 and bits["q8_0"] == pytest.approx(8.5)  # 32 int8 codes and one fp16 scale
+    assert bits["q8_0+centred"] == pytest.approx(8.5 + 16 / 1024 / 2)  # one fp16 mean per channel, keys only
+    assert bits["q8_0+centred+static"] == bits["q8_0+centred"]
+    assert bits["q8_0+sink4"] == pytest.approx(8.5 + 4 * (16 - 8.5) / 1024, rel=1e-3)
+    assert bits["q8_0+recent128"] == pytest.approx((896 * 8.5 + 128 * 16) / 1024, rel=1e-3)
+
+
+def test_ablation_table_pairs_the_longest_length_against_the_reference_cheapest_first():
+    from niah.report.tables import ablation_table
+
+    def rows(method, scores, length=2048):
+        return [
+            {
+                "method": method,
+                "status": "ok",
+                "prompt_style": "plain",
+                "length": length,
+                "depth": i,
+                "trial": 0,
+                "score": float(s),
+                "answer_logprob": -float(1 - s),
+            }
+            for i, s in enumerate(scores)
+        ]
+
+    import pandas as pd
+
+    df = pd.DataFrame(
+        rows("fp16", [1] * 8)
+        + rows("fp16", [1] * 8, 1024)
+        + rows("q4_0", [0] * 8, 1024)
+        + rows("q8_0", [1] * 7 + [0])
+        + rows("q4_0+centred", [1] * 4 + [0] * 4)
+    )
+    t = ablation_table(df, "fp16", 2048, 1, 64)
+    assert list(t["method"]) == ["q4_0+centred", "q8_0"]  # 4.5+ bits before 8.5; no fp16 row, no 1024 row
+    assert list(t["losses"]) == [4, 1] and t["coded_bits"].is_monotonic_increasing

@@ -148,3 +148,14 @@ def test_paired_decode_steps_of_an_engine_method_read_the_stored_cache(tiny, mon
     sweep._paired_tpot(tiny, kv, specs, {n: 7 for n in specs}, 4, "fp16")
     assert len(logits["q4_0@engine"]) == 4
     assert all(torch.equal(a, b) for a, b in zip(logits["q4_0"], logits["q4_0@engine"]))
+
+
+def test_key_trick_methods_run_through_the_sweep(smoke_with, tiny, tmp_path):
+    """Issue 41's composed caches (key statistics per prompt or calibrated once, every layer coded) decode through
+    the sweep's fused path."""
+    methods = ["turboquant_3bit_nc+centred+scaled", "turboquant_3bit_nc+centred+scaled+all_layers+static"]
+    cfg = smoke_with("sweep", lengths=[64, 256], methods=["fp16", *methods])
+    rows = read_rows(run_sweep(cfg, tiny, tmp_path / "s.jsonl", progress=False))
+    assert {r["status"] for r in rows} == {"ok"} and len(rows) == 6
+    bits = {r["method"]: r["kv_bytes"] for r in rows if r["length"] == 256}
+    assert bits[methods[1]] < bits[methods[0]] == bits["fp16"]  # the tiny model's 2 layers are vLLM's boundary layers

@@ -153,30 +153,37 @@ def loss_breakdown(table: pd.DataFrame, parts: dict[str, tuple[str, str]], value
 def ablation(table: pd.DataFrame, ref_accuracy: float, length: int):
     """Accuracy at ``length`` against bits per value on the coded layers, one point per method of
     :func:`niah.report.tables.ablation_table` with its 95% Wilson interval; vLLM's presets (plain names) filled,
-    the rest open; the reference's accuracy as a line."""
-    fig, ax = plt.subplots(figsize=(11, 5.5))
-    for _, r in table.iterrows():
+    the rest open; the reference's accuracy as a line.  Points are numbered (methods at the same point share a
+    label) and named in a key beside the axes, since many methods share one bit width."""
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    labels: dict[tuple[float, float], list[str]] = {}
+    lines = []
+    for i, r in table.reset_index(drop=True).iterrows():
         preset = "+" not in r["method"] and r["method"].startswith("turboquant_")
         yerr = [[r["accuracy"] - r["ci_low"]], [r["ci_high"] - r["accuracy"]]]
+        colour = "C0" if preset else "C1"
         ax.errorbar(
             r["coded_bits"],
             r["accuracy"],
             yerr=yerr,
             fmt="o",
             ms=6,
-            color="C0" if preset else "C1",
-            mfc="C0" if preset else "white",
+            color=colour,
+            mfc=colour if preset else "white",
             ecolor="0.7",
             lw=0.8,
         )
-        ax.annotate(
-            r["method"], (r["coded_bits"], r["accuracy"]), fontsize=7, xytext=(4, 2), textcoords="offset points"
-        )
+        labels.setdefault((round(r["coded_bits"], 1), r["accuracy"]), []).append(str(i + 1))
+        lines.append(f"{i + 1:>2}  {r['method']}  ({r['coded_bits']:.2f} bits, {r['accuracy']:.2f}, p = {r['p']:.2g})")
+    for (bits, acc), names in labels.items():
+        ax.annotate(",".join(names), (bits, acc), fontsize=8, xytext=(5, 2), textcoords="offset points")
     ax.axhline(ref_accuracy, color="0.4", ls="--", lw=1, label=f"reference (fp16): {ref_accuracy:.2f}")
     ax.set_xlabel("bits per value on the layers the method codes (measured from the stored tensors)")
     ax.set_ylabel(f"needle accuracy at {length} tokens (95% Wilson)")
     ax.set_ylim(-0.05, 1.05)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("Key tricks on vLLM's presets (filled: vLLM's presets as shipped)")
+    key.axis("off")
+    key.text(0, 1, "\n".join(lines), va="top", family="monospace", fontsize=7, transform=key.transAxes)
     fig.tight_layout()
     return fig

@@ -136,8 +136,15 @@ def s1_4(ev):
     return measured, "refuted"
 
 
-# the paper's code; vLLM's preset, two reads
-S1_5_VARIANTS = ("turbo3", "turboquant_3bit_nc", "turboquant_3bit_nc@engine")
+# the paper's code; vLLM's preset, two reads; the preset with published key statistics (issue 41), per prompt and
+# calibrated once per model
+S1_5_VARIANTS = (
+    "turbo3",
+    "turboquant_3bit_nc",
+    "turboquant_3bit_nc@engine",
+    "turboquant_3bit_nc+centred+scaled",
+    "turboquant_3bit_nc+centred+scaled+static",
+)
 
 
 def _no_loss_parts(ev: Evidence, method: str, d: dict | None, table: pd.DataFrame | None) -> tuple[dict, str]:
