@@ -166,3 +166,16 @@ def test_ablation_table_pairs_the_longest_length_against_the_reference_cheapest_
     t = ablation_table(df, "fp16", 2048, 1, 64)
     assert list(t["method"]) == ["q4_0+centred", "q8_0"]  # 4.5+ bits before 8.5; no fp16 row, no 1024 row
     assert list(t["losses"]) == [4, 1] and t["coded_bits"].is_monotonic_increasing
+
+
+def test_key_drift_is_zero_on_the_calibration_window_itself_and_grows_away_from_it(
+    tiny, smoke_cfg, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("NIAH_CACHE", str(tmp_path))
+    monkeypatch.setattr(keystats, "_MEMO", {})
+    monkeypatch.setattr(keystats, "WINDOWS", 1)  # statistics of one window: its own keys' mean and spread
+    ids = keystats._windows(smoke_cfg, tiny)[0].tolist()
+    n = len(ids)
+    drift = keystats.key_drift(smoke_cfg, tiny, ids, [n, n // 2], tokens=n)
+    assert len(drift[n]) == 2 and max(drift[n]) < 1e-3  # the calibration's own keys
+    assert min(drift[n // 2]) > 10 * max(drift[n])  # the first half's mean is not the whole window's

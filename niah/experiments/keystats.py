@@ -93,3 +93,23 @@ def _load(path) -> KeyStats:
     t = load_file(str(path))
     kinds = ("mean", "meansq")
     return KeyStats(*({int(k.split(".")[1]): v for k, v in t.items() if k.startswith(f"{kind}.")} for kind in kinds))
+
+
+@torch.no_grad()
+def key_drift(cfg, lm, ids: list[int], lengths: list[int], tokens: int = 511) -> dict[int, list[float]]:
+    """How far the keys at the end of a context sit from :func:`key_stats`: per context length ``L`` in ``lengths``
+    (a prefix of ``ids``), one value per attention layer, the mean over heads and channels of ``|m - mu| / sd``,
+    with ``m`` the mean of the layer's last ``tokens`` keys (what a sliding-window layer holds) and ``mu``, ``sd``
+    the calibrated mean and standard deviation.  Keys carry the rotary embedding, so statistics taken at positions
+    below :data:`LENGTH` need not fit keys at later positions; this measures by how much."""
+    stats = key_stats(cfg, lm)
+    out = {}
+    for length in lengths:
+        drift = []
+        for i, st in enumerate(context_states(prefill(lm.model, ids[:length], None, cfg.niah.prefill_chunk))):
+            if st.keys is not None:
+                mu, sd = stats.mean[i], (stats.meansq[i] - stats.mean[i].square()).clamp_min(1e-12).sqrt()
+                m = st.keys.float()[0, :, -tokens:].mean(1)  # (H, D)
+                drift.append(((m - mu).abs() / sd).mean().item())
+        out[length] = drift
+    return out
