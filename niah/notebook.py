@@ -130,6 +130,9 @@ def ablation(df: pd.DataFrame, cfg: Config, lm, figures_dir: Path) -> pd.DataFra
 
     length, c = max(cfg.battery.lengths), lm.model.config
     table = ablation_table(df, cfg.niah.reference, length, c.num_key_value_heads, lm.head_dim)
+    if not len(table):  # nothing paired at that length: no figure to draw
+        print(f"no method answered at {length} tokens beside {cfg.niah.reference}: no ablation to draw")
+        return table
     ok = df[(df["status"] == "ok") & (df["length"] == length) & (df["method"] == cfg.niah.reference)]
     fig = ablation_figure(table, float((ok["score"] >= 1.0).mean()), length)
     save(fig, figures_dir, f"kv_ablation_{length}")

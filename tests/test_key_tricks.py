@@ -166,6 +166,7 @@ def test_ablation_table_pairs_the_longest_length_against_the_reference_cheapest_
     t = ablation_table(df, "fp16", 2048, 1, 64)
     assert list(t["method"]) == ["q4_0+centred", "q8_0"]  # 4.5+ bits before 8.5; no fp16 row, no 1024 row
     assert list(t["losses"]) == [4, 1] and t["coded_bits"].is_monotonic_increasing
+    assert ablation_table(df, "fp16", 4096, 1, 64).empty  # no length asked: an empty table, no error
 
 
 def test_key_drift_is_zero_on_the_calibration_window_itself_and_grows_away_from_it(

@@ -142,7 +142,14 @@ def test_llamacpp_f16_answers_like_this_repos_fp16_on_the_same_ids_and_q8_0_runs
 
     raw = copy.deepcopy(load_config("cpu").raw)
     raw["model"] = load_config(which).model
-    raw["battery"] = {**raw["battery"], "lengths": [1024], "contexts": 1, "needles": 3, "methods": ["fp16", "q8_0"]}
+    raw["battery"] = {
+        **raw["battery"],
+        "lengths": [1024],
+        "contexts": 1,
+        "needles": 3,
+        "methods": ["fp16", "q8_0"],
+        "method_lengths": {},
+    }
     raw["llamacpp"] = {"lengths": [1024], "contexts": 1, "kv": ["f16", "q8_0"], "rotation": [True]}
     cfg = validate(raw)
     lm = load_model(cfg.model)

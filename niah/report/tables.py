@@ -222,7 +222,7 @@ def coded_bits(method: str, kv_heads: int, head_dim: int, tokens: int) -> float:
     statistics, raw sink tokens; raw recent tokens counted at fp16, as an engine keeps them).  The formats' sizes
     depend on the shape only; ``+static`` stores the same tensors as the per-prompt form, so it is counted as that."""
     from ..kv.cache import PackedLayer  # heavy: transformers, for this table only
-    from ..kv.registry import get_method
+    from ..kv.registry import get_method  # heavy: every KV method's module, for this table only
 
     layer = PackedLayer(get_method(method.replace("+static", "")), 0, keep_dequantized=False)
     x = torch.randn(1, kv_heads, tokens, head_dim, generator=torch.Generator().manual_seed(0))
@@ -235,6 +235,8 @@ def ablation_table(df: pd.DataFrame, ref: str, length: int, kv_heads: int, head_
     """Every method asked at ``length`` against ``ref`` (:func:`~niah.report.stats.paired_table`), with the bits per
     value on the layers it codes (:func:`coded_bits`), cheapest first: issue 41's ablation and the presets together."""
     t = paired_table(df[df["length"] == length], ref)
+    if not len(t):  # no method paired with the reference at that length (e.g. every row failed): nothing to rank
+        return t
     t = t[t["method"] != ref].copy()
     t.insert(1, "coded_bits", [coded_bits(m.partition("@")[0], kv_heads, head_dim, length) for m in t["method"]])
     return t.drop(columns=["length", "min_detectable_drop"]).sort_values(["coded_bits", "method"], ignore_index=True)
