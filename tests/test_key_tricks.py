@@ -180,3 +180,15 @@ def test_key_drift_is_zero_on_the_calibration_window_itself_and_grows_away_from_
     drift = keystats.key_drift(smoke_cfg, tiny, ids, [n, n // 2], tokens=n)
     assert len(drift[n]) == 2 and max(drift[n]) < 1e-3  # the calibration's own keys
     assert min(drift[n // 2]) > 10 * max(drift[n])  # the first half's mean is not the whole window's
+
+
+def test_the_ablation_figure_draws_an_interval_that_rounding_puts_inside_its_point():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from niah.report.plots import ablation
+
+    row = {"method": "q8_0", "coded_bits": 8.5, "accuracy": 1.0, "ci_low": 0.93, "ci_high": 1.0 - 1e-16, "p": 1.0}
+    assert ablation(pd.DataFrame([row]), 1.0, 1024).axes[0].get_title()

@@ -160,7 +160,7 @@ def ablation(table: pd.DataFrame, ref_accuracy: float, length: int):
     lines = []
     for i, r in table.reset_index(drop=True).iterrows():
         preset = "+" not in r["method"] and r["method"].startswith("turboquant_")
-        yerr = [[r["accuracy"] - r["ci_low"]], [r["ci_high"] - r["accuracy"]]]
+        yerr = [[max(r["accuracy"] - r["ci_low"], 0)], [max(r["ci_high"] - r["accuracy"], 0)]]  # rounding: never < 0
         colour = "C0" if preset else "C1"
         ax.errorbar(
             r["coded_bits"],
