@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             _summary(args.config, args.write)
         elif args.cmd == "repair":
             tail, kept, moved = move_tail_aside(args.path)
-            print(f"kept {kept} rows in {args.path}; moved {moved} lines from the damaged one onwards to {tail}")
+            if tail is None:  # a healthy file: an answer, not an error
+                print(f"{args.path} has no damaged line ({kept} rows): nothing to repair")
+            else:
+                print(f"kept {kept} rows in {args.path}; moved {moved} lines from the damaged one onwards to {tail}")
         elif args.cmd == "env":
             from .env import environment_record  # heavy: each command loads its own stage only
 

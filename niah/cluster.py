@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from . import env
 from .config import Config
 from .models import load_model
 
@@ -58,7 +57,7 @@ class _Worker:
 
     def __init__(self, cfg: Config, threads: int, gpus: int, name: str):
         self.cfg, self.gpus, self.name, self.lm = cfg, max(1, gpus), name, None
-        torch.set_num_threads(threads)
+        env.use_threads(threads)
 
     def run(self, unit: Unit) -> list[dict]:
         if self.lm is None:  # Ray gives the actor its own GPUs only (CUDA_VISIBLE_DEVICES), so they are 0..gpus-1

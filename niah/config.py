@@ -46,6 +46,9 @@ MODEL_KEYS = {
     "random": ("architecture", "config", "seed"),
 }
 MODEL_OPTIONAL = ("source", "rope_scaling", "dtype")
+# the kind of each model-spec key, as a default of that kind (check_value); seed from 0, as the top-level seed
+MODEL_KINDS = {k: "" for k in ("source", "package", "file", "sha256", "path", "id", "architecture", "dtype")}
+MODEL_KINDS |= {"config": {}, "seed": 0, "rope_scaling": None}
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -92,18 +95,39 @@ class _Loader(yaml.SafeLoader):
         return super().construct_document(node)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file's largest size; the shipped ones are a few KiB
+
+
+def _config_text(path: Path) -> str:
+    """The text of the config file ``path``, read only if it is a regular file of at most
+    :data:`MAX_CONFIG_BYTES` (a symlink to ``/dev/zero`` or a huge file is refused before it fills the memory)."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a regular file (a device, a pipe or a folder?): point to a YAML file")
+    with open(path, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)  # the stat size may lie (a growing file): never read more than this
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB, too large for a config: is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text: point to a YAML file") from None
+
+
 def load_config(name: str) -> Config:
     """Read ``configs/<name>.yaml`` (or a path), fill defaults, validate: the resolved :class:`Config`."""
     path = config_path(name)
+    text = _config_text(path)
     try:
-        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
+        raw = yaml.load(text, Loader=_Loader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping of settings")
-    return validate(raw, str(path))
+    cfg = validate(raw, str(path))
+    shipped = path.resolve() == (CONFIG_DIR / f"{cfg.name}.yaml").resolve()
+    return replace(cfg, source=cfg.name if shipped else str(path))
 
 
 @dataclass(frozen=True)
@@ -122,6 +146,8 @@ class Config(Top):
     cluster: Cluster = field(default_factory=Cluster)
     hash: str = ""
     raw: dict = field(default_factory=dict, repr=False)
+    # how a command names this config: its name for a file of configs/, else its path (make reproduce CONFIG=<source>)
+    source: str = field(default="", repr=False)
 
     @property
     def weights(self) -> dict:
@@ -136,7 +162,7 @@ class Config(Top):
             raw[section] = {**raw[section], **settings}
         else:
             raw.update(settings)
-        return validate(raw, self.name)
+        return replace(validate(raw, self.name), source=self.source)
 
 
 def validate(raw: dict, where: str = "config") -> Config:
@@ -230,6 +256,8 @@ def check_model(spec, where: str) -> None:
         raise ConfigError(
             f"{where}: unknown setting(s) {unknown} for source {source}; valid: {', '.join(sorted(valid))}"
         )
+    for key, value in spec.items():
+        check_value(f"{where}.{key}", MODEL_KINDS[key], value, lowest=0)
     missing = [k for k in MODEL_KEYS[source] if source != "random" and not spec.get(k)]
     if missing:
         raise ConfigError(f"{where}: source {source} needs {', '.join(missing)}")
@@ -304,8 +332,13 @@ def check_types(where: str, cls: type[Section], given: dict) -> None:
 def check_value(name: str, default: Any, value: Any, lowest: int = 1) -> None:
     """``value`` is of ``default``'s kind: a number where the default is a float, never a bool where it is an int,
     anything where it is None.  An integer setting is a count or a size from ``lowest`` to :data:`INT_MAX`, and a list
-    whose default holds integers (lengths, bits) is a non-empty list of such.  A mapping's known keys are checked
-    the same way, one level down.  Raises :class:`ConfigError` naming the setting, the kind it takes and what it got."""
+    whose default holds integers (lengths, bits) is a non-empty list of such.  A list holds each value once.  A
+    mapping's known keys are checked the same way, one level down.  Raises :class:`ConfigError` naming the setting,
+    the kind it takes and what it got."""
+    if isinstance(value, list):  # a repeated length, depth or method would silently ask the same rows twice
+        twice = [x for i, x in enumerate(value) if x in value[:i]]
+        if twice:
+            raise ConfigError(f"{name} lists {twice[0]!r} more than once; list each value once")
     if default is None:
         return
     kind, words = next((k, w) for k, w in _KINDS if isinstance(default, k))
@@ -314,7 +347,8 @@ def check_value(name: str, default: Any, value: Any, lowest: int = 1) -> None:
     else:
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if not ok:
-        raise ConfigError(f"{name} must be {words} (its default is {default!r}); got {value!r}")
+        hint = f" (its default is {default!r})" if default not in ("", {}) else ""  # "" and {}: no default to name
+        raise ConfigError(f"{name} must be {words}{hint}; got {value!r}")
     if kind is int and not lowest <= value <= INT_MAX:
         raise ConfigError(f"{name} must be an integer from {lowest} to 2**63 - 1 (torch's largest); got {value!r}")
     if kind is list and default and all(type(x) is int for x in default):

@@ -13,6 +13,7 @@ Its answers mean nothing; it finds the typo, the shape and the figure that break
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 
@@ -115,6 +116,10 @@ def tiny_spec(spec: dict) -> dict:
     every = full.to_dict()
     fields = {k: v for k, v in full.to_diff_dict().items() if k not in DROPPED_KEYS}  # what differs from the defaults
     fields.update({k: min(every[k], v) for k, v in NARROW.items() if isinstance(every.get(k), int)})
+    # a width transformers accepts (a multiple of the query heads: SmolLM2 has 9) that a weight group of up to 64
+    # divides (notebooks 01, 02): SmolLM2 keeps its 576
+    step = math.lcm(full.num_attention_heads, 64)
+    fields["hidden_size"] = min(full.hidden_size, -(-fields["hidden_size"] // step) * step)
     fields.update(BYTE_VOCAB)
     fields["tie_word_embeddings"] = False
     n = full.num_hidden_layers

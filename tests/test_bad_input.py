@@ -118,9 +118,9 @@ def test_an_error_row_is_redone_and_replaced(smoke_cfg, tiny, tmp_path):
     path = tmp_path / "r.jsonl"
     table = ResultsTable(path, NEEDLE_KEY, settings_hash(cfg, "needles"), ("answer_logprob",))
     row = dict(ROW_KEY)
-    table.append({**row, "status": "ok", "answer_logprob": float("nan")})
+    table.append({**row, "status": "ok", "score": 1.0, "answer_logprob": float("nan")})
     assert table.key(row) not in table.done
-    table.append({**row, "status": "ok", "answer_logprob": -1.0})
+    table.append({**row, "status": "ok", "score": 1.0, "answer_logprob": -1.0})
     assert list(load_table(cfg, "needles", path)["status"]) == ["ok"]
 
 
@@ -235,6 +235,7 @@ def test_duplicate_keys_count_once_with_a_warning(smoke_cfg, tmp_path):
     row = {
         **ROW_KEY,
         "status": "ok",
+        "score": 1.0,
         "settings_hash": settings_hash(cfg, "needles"),
     }
     path = tmp_path / "r.jsonl"
@@ -317,6 +318,8 @@ def test_a_non_utf8_haystack_file_fails_at_load(tmp_path, smoke_cfg):
         (lambda f: f.mkdir(), "is not a regular file"),
         (lambda f: f.symlink_to(f.with_name("gone")), "is a broken or looping symbolic link"),
         (lambda f: f.write_bytes(b"ok" * 2**20 + b"\xff"), "is not valid UTF-8"),  # past the first 1 MiB block
+        (lambda f: f.write_bytes(b"\0" * 500), "is mostly whitespace or control characters \\(0 of 500"),
+        (lambda f: f.write_text(" \n\t" * 300 + "A word."), "is mostly whitespace or control characters"),
     ],
 )
 def test_a_haystack_entry_that_is_not_a_readable_text_file_fails_at_load(tmp_path, smoke_cfg, make, message):
@@ -451,8 +454,10 @@ def test_a_damaged_middle_line_names_it_and_repair_keeps_the_rows_before(tmp_pat
     tail = next(tmp_path.glob("r.jsonl.damaged-*"))
     assert tail.read_text().startswith("not json")
     assert "kept 2 rows" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="no damaged line"):
-        move_tail_aside(path)
+    assert move_tail_aside(path) == (None, 2, 0)
+    assert main(["repair", str(path)]) == 0  # a healthy file: one line, no traceback
+    assert capsys.readouterr().out.strip() == f"{path} has no damaged line (2 rows): nothing to repair"
+    assert [r["a"] for r in read_rows(path)] == [1, 2]
 
 
 # 8. words
@@ -478,16 +483,17 @@ def test_a_run_of_only_too_long_cells_says_so_and_summary_says_no_ok_rows(tmp_pa
     assert record["cpu"] and "torch_cpu_capability" in record and isinstance(record["gpus"], list)
 
 
-def test_an_over_large_max_new_tokens_is_named_not_rope_scaling(smoke_cfg, tiny, tmp_path):
-    cfg = validate(
-        _raw(smoke_cfg, niah={"lengths": [256], "depths": [0.5], "methods": ["fp16"], "max_new_tokens": 5000})
-    )
-    (row,) = read_rows(run_grid(cfg, tiny, tmp_path / "r.jsonl", progress=False))
-    assert (
-        row["status"] == "too_long"
-        and "lower niah.max_new_tokens to" in row["reason"]
-        and "rope_scaling" not in row["reason"]
-    )
+def test_an_over_large_max_new_tokens_is_refused_before_any_row_and_its_advice_fits_every_length(
+    smoke_cfg, tiny, tmp_path
+):
+    niah = {"lengths": [256, 1024], "depths": [0.5], "methods": ["fp16"], "max_new_tokens": 5000}
+    path = tmp_path / "r.jsonl"
+    with pytest.raises(ConfigError, match=r"lower niah.max_new_tokens to (\d+) or less") as err:
+        run_grid(validate(_raw(smoke_cfg, niah=niah)), tiny, path, progress=False)
+    assert "rope_scaling" not in str(err.value) and not read_rows(path)
+    advice = int(str(err.value).split("max_new_tokens to ")[1].split()[0])
+    rows = read_rows(run_grid(validate(_raw(smoke_cfg, niah={**niah, "max_new_tokens": advice})), tiny, path, False))
+    assert [r["status"] for r in rows] == ["ok", "ok"]  # following the advice fits the longest prompt too
 
 
 def test_an_unreachable_hub_fails_in_seconds(monkeypatch):
@@ -619,3 +625,76 @@ def test_an_empty_cluster_key_asks_for_no_cluster(smoke_cfg):
     assert not validate(_raw(smoke_cfg, cluster=None)).cluster.present
     with pytest.raises(ConfigError, match="battery must be a mapping"):
         validate(_raw(smoke_cfg, battery=None))
+
+
+# 10. the outside probe of issue 45
+
+
+def test_a_model_seed_out_of_torchs_range_is_refused_at_load(smoke_cfg):
+    with pytest.raises(ConfigError, match=r"model.seed must be an integer from 0 to 2\*\*63 - 1"):
+        validate(_raw(smoke_cfg, model={**smoke_cfg.model, "seed": 2**70}))
+    with pytest.raises(ConfigError, match="model.architecture must be a string; got 3"):
+        validate(_raw(smoke_cfg, model={**smoke_cfg.model, "architecture": 3}))
+
+
+def test_a_config_that_is_a_device_or_over_a_mebibyte_is_refused_before_it_is_read(tmp_path, capsys):
+    link = tmp_path / "zero.yaml"
+    link.symlink_to("/dev/zero")
+    assert main(["run", "--config", str(link)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match="over 1 MiB, too large for a config"):
+        load_config(str(huge))
+
+
+@pytest.mark.parametrize(
+    "section, settings, twice",
+    [
+        ("battery", {"lengths": [1024, 512, 512]}, "512"),
+        ("niah", {"depths": [0.5, 0.5]}, "0.5"),
+        ("niah", {"lengths": [512, 512]}, "512"),
+        ("battery", {"methods": ["fp16", "q8_0", "q8_0"]}, "'q8_0'"),
+    ],
+)
+def test_a_setting_that_lists_a_value_twice_is_refused_at_load(smoke_cfg, section, settings, twice):
+    with pytest.raises(ConfigError, match=f"{section}.{next(iter(settings))} lists {twice} more than once"):
+        validate(_raw(smoke_cfg, **{section: settings}))
+
+
+def test_more_threads_than_cores_warn_in_one_line():
+    from niah.env import use_threads
+
+    before = torch.get_num_threads()
+    try:
+        with pytest.warns(UserWarning, match="threads: 999 exceeds the .* CPU cores.*set threads:"):
+            use_threads(999)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_row_without_a_key_field_or_an_ok_row_without_its_score_is_set_aside_and_redone(smoke_cfg, tiny, tmp_path):
+    cfg = _small(smoke_cfg)
+    path = tmp_path / "r.jsonl"
+    run_grid(cfg, tiny, path, progress=False)
+    good = read_rows(path)
+    no_method = {k: v for k, v in good[0].items() if k != "method"}
+    no_score = {k: v for k, v in good[1].items() if k != "score"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in [no_method, no_score]))
+    with pytest.warns(UserWarning, match=r"2 rows set aside .*line 1 has no 'method'; line 2 has no 'score'"):
+        assert load_table(cfg, "needles", path).empty
+    with pytest.warns(UserWarning, match="set aside"):
+        run_grid(cfg, tiny, path, progress=False)
+    with pytest.warns(UserWarning, match="2 rows set aside"):
+        redone = load_table(cfg, "needles", path)
+    assert sorted(redone["method"]) == ["fp16", "q8_0"] and redone["score"].notna().all()
+
+
+def test_summary_of_a_config_file_that_never_ran_advises_a_command_that_takes_the_file(
+    tmp_path, smoke_cfg, runs_in, capsys
+):
+    path = _write_config(tmp_path, smoke_cfg, name="never-ran")
+    assert main(["summary", "--config", str(path)]) == 2
+    assert f"run `make reproduce CONFIG={path}` first" in capsys.readouterr().err
+    assert load_config("smoke").source == "smoke"
+    assert load_config(str(path)).updated("niah", trials=1).source == str(path)

@@ -9,6 +9,7 @@ import pytest
 from niah.config import ROOT, load_config
 from niah.dryrun import SCALE, dry_config, pattern_period, write_dry_config
 from niah.models import load_model
+from niah.schema import FITS_A_NEEDLE, fitting_lengths, sweep_lengths
 
 GPU_CONFIGS = ["h200", "a100-80g", "qwen3.5-35b-a3b-random"]
 
@@ -53,6 +54,27 @@ def test_a_dry_config_keeps_the_architecture_and_every_method_and_shrinks_the_re
         assert c.layer_types == layers * 2  # the first two periods of the real pattern
     assert sum(p.numel() for p in lm.model.parameters()) < 30e6
     assert left_out == []
+
+
+@pytest.mark.parametrize("config", sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_config_dry_runs_to_its_needle_questions(tmp_path, config):
+    """Each shipped config's dry run loads, and its needle questions (notebook 03's battery, notebooks 01-02's
+    weights x KV cells) fit its shortened lengths: the smoke config's did not (512 / 16 leaves 32 tokens)."""
+    from niah.experiments.battery import battery_contexts
+    from niah.weightquant.needle import needle_battery
+
+    dry = load_config(str(write_dry_config(config, tmp_path)[0]))
+    lm = load_model(dry.model)
+    batteries = [needle_battery(dry)] + ([dry.battery] if dry.battery.present else [])
+    for battery in batteries:
+        assert battery_contexts(dry, lm, battery)  # raises where a needle does not fit
+    assert min(dry.niah.lengths) >= FITS_A_NEEDLE
+
+
+def test_the_dry_run_shortens_needle_lengths_to_a_floor_that_fits_a_needle_and_keeps_each_once():
+    assert fitting_lengths([4096, 8192, 16384]) == [256, 512, 1024]
+    assert fitting_lengths([512, 1024, 8192]) == [FITS_A_NEEDLE, 512]
+    assert sweep_lengths([1, 64, 256, 512]) == [1, 4, 16, FITS_A_NEEDLE]  # the longest step holds the probe
 
 
 def test_a_dry_run_leaves_out_what_a_random_model_cannot_do_and_says_so():

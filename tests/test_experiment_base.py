@@ -2,7 +2,10 @@
 
 from types import SimpleNamespace
 
-from niah.experiments.base import Collect, Experiment, RowSink, provenance, too_long_reason
+import pytest
+
+from niah.config import ConfigError
+from niah.experiments.base import Collect, Experiment, RowSink, check_answer_room, provenance, too_long_reason
 from niah.results import read_rows
 
 
@@ -11,7 +14,7 @@ def test_rows_carry_provenance_and_a_reopened_table_knows_what_is_done(tmp_path,
     exp = Experiment(smoke_cfg, "sweep", "tiny", path, progress=False)
     assert exp.missing(["fp16", "q8_0"], length=256) == ["fp16", "q8_0"]
     exp.start(2, "test")
-    exp.write([{**exp.row(method="fp16", length=256), "status": "ok"}])
+    exp.write([{**exp.row(method="fp16", length=256), "status": "ok", "kv_bytes": 1}])
     exp.fail([exp.row(method="q8_0", length=256)], "oom", RuntimeError("x" * 1000))
     assert exp.close() == path
     rows = read_rows(path)
@@ -37,11 +40,11 @@ def test_too_long_names_the_limit_and_the_fix_only_when_the_model_can_be_extende
     assert "rope_scaling" not in too_long_reason(smoke_cfg, extended, 4096)
 
 
-def test_too_long_names_max_new_tokens_when_only_the_answer_room_does_not_fit(smoke_cfg):
+def test_a_max_new_tokens_without_room_is_refused_with_advice_from_the_longest_prompt_that_fits(smoke_cfg):
     native = SimpleNamespace(max_context=1024, native_context=1024)
-    reason = too_long_reason(smoke_cfg, native, 1020, 3)
-    assert "niah.max_new_tokens = 8" in reason and "lower niah.max_new_tokens to 4 or less" in reason
-    assert "rope_scaling" not in reason
+    check_answer_room(smoke_cfg, native, [(1000, 3), (1016, 3), (2000, 5)])  # 2000 is too long whatever the room
+    with pytest.raises(ConfigError, match="niah.max_new_tokens = 8 .*longest prompt .*1020 tokens.*to 4 or less"):
+        check_answer_room(smoke_cfg, native, [(1000, 3), (1020, 3), (2000, 5)])
 
 
 def test_the_table_and_a_workers_collection_are_both_row_sinks(tmp_path, smoke_cfg):

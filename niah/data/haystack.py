@@ -22,6 +22,8 @@ from pydoc_data.topics import topics
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 # a sentence ends at . ! ? followed by whitespace, or right after a CJK full stop / mark
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?=\s)|(?<=[。！？])")
+# what a reader does not see: whitespace, C0/C1 control characters, zero-width marks and the byte-order mark
+_INVISIBLE = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u200b-\u200f\ufeff]")
 
 
 def pydoc_text() -> str:
@@ -29,9 +31,10 @@ def pydoc_text() -> str:
 
 
 def folder_files(folder: str | Path) -> list[Path]:
-    """The ``*.txt`` files of a haystack folder, each checked to be a readable, non-empty UTF-8 file; streamed in
-    1 MiB blocks, so that checking a large folder holds none of it in memory.  Raises ``FileNotFoundError`` or
-    ``ValueError`` naming the file and the fix."""
+    """The ``*.txt`` files of a haystack folder, each checked to be a readable UTF-8 file of which at least half the
+    characters are visible (not whitespace or control characters: a file of NUL bytes would fill a context with
+    them); streamed in 1 MiB blocks, so that checking a large folder holds none of it in memory.  Raises
+    ``FileNotFoundError`` or ``ValueError`` naming the file and the fix."""
     folder = Path(folder)
     files = sorted(folder.glob("*.txt"))
     if not files:
@@ -46,11 +49,11 @@ def folder_files(folder: str | Path) -> list[Path]:
                 )
             if not f.is_file():
                 raise ValueError(f"haystack entry {f} is not a regular file: remove it from {folder} or rename it")
-            decoder, size = codecs.getincrementaldecoder("utf-8")(), 0
+            decoder, size, chars, visible = codecs.getincrementaldecoder("utf-8")(), 0, 0, 0
             with open(f, "rb") as handle:
                 for block in iter(lambda: handle.read(1 << 20), b""):
-                    decoder.decode(block)
-                    size += len(block)
+                    text = decoder.decode(block)
+                    size, chars, visible = size + len(block), chars + len(text), visible + len(_INVISIBLE.sub("", text))
             decoder.decode(b"", final=True)
         except UnicodeDecodeError as err:
             raise ValueError(f"haystack file {f} is not valid UTF-8 ({err.reason}): re-save it as UTF-8") from None
@@ -60,6 +63,11 @@ def folder_files(folder: str | Path) -> list[Path]:
             ) from None
         if size == 0:
             raise ValueError(f"haystack file {f} is empty: fill it or remove it from {folder}")
+        if visible < chars / 2:
+            raise ValueError(
+                f"haystack file {f} is mostly whitespace or control characters ({visible:,} of {chars:,} characters "
+                f"visible), not text: replace it or remove it from {folder}"
+            )
     return files
 
 

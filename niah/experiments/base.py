@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .. import env
 from ..cluster import worker_name
-from ..config import Config
+from ..config import Config, ConfigError
 from ..rundir import RunDir, open_table
 
 STATUS_REASON_CHARS = 300  # an error message is cut to this many characters in its row
@@ -41,21 +41,30 @@ def provenance(cfg: Config, model_name: str) -> dict:
 
 def too_long_reason(cfg: Config, loaded, prompt: int, answer: int = 0) -> str | None:
     """Why ``prompt`` tokens (context and question) and the room for an answer (``answer`` tokens, the expected
-    answer's, or ``niah.max_new_tokens`` where that is more) do not fit the loaded model, naming the fix: lower
-    ``niah.max_new_tokens`` where the expected answer would fit, else ``model.rope_scaling`` where the model is
-    not extended yet.  None if they fit."""
-    limit, max_new = loaded.max_context, cfg.niah.max_new_tokens
-    tokens = prompt + max(answer, max_new)
+    answer's, or ``niah.max_new_tokens`` where that is more) do not fit the loaded model, naming the fix
+    (``model.rope_scaling`` where the model is not extended yet); None if they fit.  A run calls
+    :func:`check_answer_room` first, so a prompt that fits with its expected answer is never too long here."""
+    limit = loaded.max_context
+    tokens = prompt + max(answer, cfg.niah.max_new_tokens)
     if tokens <= limit:
         return None
-    if prompt + answer <= limit:
-        return (
-            f"a prompt of {prompt} tokens with room for niah.max_new_tokens = {max_new} answer tokens "
-            f"exceeds the model's limit of {limit} tokens; lower niah.max_new_tokens to {limit - prompt} or less."
-        )
     extend = " Set model.rope_scaling (e.g. {rope_type: yarn, factor: 2.0}) in the config to extend it."
     hint = "" if limit > loaded.native_context else extend
     return f"context of {tokens} tokens (with question and answer) exceeds the model's limit of {limit} tokens.{hint}"
+
+
+def check_answer_room(cfg: Config, loaded, prompts: list[tuple[int, int]]) -> None:
+    """Refuse, before any row, a ``niah.max_new_tokens`` that leaves no room for the answer after a prompt that fits
+    the model with its expected answer.  ``prompts``: (prompt tokens, expected answer tokens) of every question the
+    run asks; the advice counts the longest prompt that fits, so following it fits them all."""
+    limit, max_new = loaded.max_context, cfg.niah.max_new_tokens
+    fitting = [p for p, answer in prompts if p + answer <= limit]  # the others are too long whatever the setting
+    if fitting and max(fitting) + max_new > limit:
+        raise ConfigError(
+            f"niah.max_new_tokens = {max_new} leaves no room for the answer after the longest prompt of this run "
+            f"({max(fitting)} tokens) within the model's limit of {limit} tokens; lower niah.max_new_tokens to "
+            f"{limit - max(fitting)} or less"
+        )
 
 
 @runtime_checkable

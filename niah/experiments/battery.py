@@ -31,7 +31,7 @@ from ..data.placement import DEPTH_RULES, Question, multi_key_contexts, single_p
 from ..kv.cache import PackedCache
 from ..kv.layout import CacheLayout
 from ..schema import Battery, ConfigError
-from .base import Collect, Experiment, RowSink, too_long_reason
+from .base import Collect, Experiment, RowSink, check_answer_room, too_long_reason
 from .grid import Cell, SharedPrompt, cell_keys, croppable, extend_shared, run_grid
 from .protocol import answer_fields, ask, context_states, kv_entries, prefill
 from .specs import cache_spec, check_engine_reads
@@ -113,7 +113,10 @@ def ask_battery(exp: Experiment, lm, plan: Plan, contexts: list, label: str, clu
     units = _units(exp, plan, contexts)
     if not units:
         return exp.path
-    torch.set_num_threads(exp.cfg.threads)
+    check_answer_room(
+        exp.cfg, lm, [(q.length + len(q.question_ids), len(q.answer_ids)) for u in units for q in u.payload.todo]
+    )
+    env.use_threads(exp.cfg.threads)
     exp.start(sum(len(ms) for u in units for ms in u.payload.todo.values()), label)
     if cluster:
         run_units(exp.cfg, units, exp.write_from_worker)

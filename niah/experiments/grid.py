@@ -23,7 +23,7 @@ from ..data.haystack import haystack_text, tokenize_haystack
 from ..data.needles import NeedleSpec, make_trial
 from ..data.prompts import CellPrompt, build_cell
 from ..kv.layout import CacheLayout
-from .base import Experiment, too_long_reason
+from .base import Experiment, check_answer_room, too_long_reason
 from .protocol import answer_fields, context_states, kv_entries, prefill, run_method
 from .specs import cache_spec, check_engine_reads
 
@@ -77,7 +77,7 @@ def run_grid(cfg: Config, loaded, out_path: Path | None = None, progress: bool =
     todo = [c for c in cells(cfg) if missing(c)]
     if not todo:
         return exp.path
-    torch.set_num_threads(cfg.threads)
+    env.use_threads(cfg.threads)
     hay = tokenize_haystack(
         haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), loaded.tokenizer, max(n.lengths)
     )
@@ -86,6 +86,9 @@ def run_grid(cfg: Config, loaded, out_path: Path | None = None, progress: bool =
         c: build_cell(loaded.tokenizer, hay, c.length, c.depth, make_trial(spec, trial_rng(cfg, c)), c.style)
         for c in todo
     }
+    check_answer_room(
+        cfg, loaded, [(len(p.prefill_ids) + len(p.question_ids), len(p.answer_ids)) for p in prompts.values()]
+    )
     exp.start(sum(len(missing(c)) for c in todo), "needle grid")
     for style in n.prompt_styles:
         base, base_ids = None, []

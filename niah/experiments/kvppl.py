@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .. import env
 from ..cluster import Unit, run_units
 from ..config import Config, ConfigError
 from ..kv.cache import PackedCache
@@ -62,7 +63,7 @@ def run_kv_perplexity(cfg: Config, lm, out_path: Path, progress: bool = True) ->
     todo = {w: names for w in range(s.windows) if (names := exp.missing(s.methods, window=w))}
     if not todo:
         return exp.path
-    torch.set_num_threads(cfg.threads)
+    env.use_threads(cfg.threads)
     text = split_text("evaluation", cfg.weightquant.calibration_share)
     windows = token_windows(lm.tokenizer, text, s.windows, tokens)
     units = [

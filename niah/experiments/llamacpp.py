@@ -23,7 +23,7 @@ import torch
 from ..config import Config
 from ..models import ModelUnavailable, verified_gguf
 from ..schema import LlamaCpp
-from .base import Experiment, too_long_reason
+from .base import Experiment, check_answer_room, too_long_reason
 from .battery import question_prompts
 from .grid import Cell, cell_keys
 from .protocol import Answer, greedy_from, scored_fields, teacher_forced
@@ -155,10 +155,9 @@ def run_llamacpp(cfg: Config, lm, out_path: Path | None = None, progress: bool =
     todo = [(name, kv, rot) for name, kv, rot in runs if any(not exp.done(row(q, name)) for _, q in prompts)]
     if not todo:
         return exp.path
-    prompt, answer = max(
-        ((len(ids) + len(q.question_ids), len(q.answer_ids)) for ids, q in prompts),
-        key=lambda p: p[0] + max(p[1], max_new),
-    )
+    sizes = [(len(ids) + len(q.question_ids), len(q.answer_ids)) for ids, q in prompts]
+    check_answer_room(cfg, lm, sizes)
+    prompt, answer = max(sizes, key=lambda p: p[0] + max(p[1], max_new))
     n_ctx = prompt + max(answer, max_new) + 8
     reason = too_long_reason(cfg, lm, prompt, answer)
     if reason:

@@ -120,7 +120,7 @@ def run_sweep(cfg: Config, lm, out_path: Path, progress: bool = True) -> Path:
         units = [Unit(f"sweep {m} at {L}", L, sweep_unit, {L: [m]}) for L, names in todo.items() for m in names]
         run_units(cfg, units, exp.write_from_worker)
     else:
-        torch.set_num_threads(cfg.threads)
+        env.use_threads(cfg.threads)
         _run_steps(exp, lm, todo)
     return exp.close()
 
@@ -260,7 +260,7 @@ def first_request_ttft(cfg: Config, target: int, warmup: int = 0) -> dict:
 
     Call it in a fresh process (see :func:`cold_vs_warm`): "cold" means the first request after loading.
     """
-    torch.set_num_threads(cfg.threads)
+    env.use_threads(cfg.threads)
     lm = load_model(cfg.model, device=cfg.device)
     ids = tokenize_haystack(haystack_text(cfg.haystack, env.ROOT / cfg.haystack_folder), lm.tokenizer, target).ids
     out = {"target": target, "warmup": warmup}

@@ -26,7 +26,7 @@ class NoResults(FileNotFoundError):
 def _needle_rows(run: RunDir) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows = run.rows("needles")
     if not len(rows):
-        raise NoResults(f"no results in {run.path}: run `make reproduce CONFIG={run.cfg.name}` first")
+        raise NoResults(f"no results in {run.path}: run `make reproduce CONFIG={run.cfg.source or run.cfg.name}` first")
     ok = rows[rows["status"] == "ok"]
     if not len(ok):
         counts = ", ".join(f"{n} {s}" for s, n in rows["status"].value_counts().items())
