@@ -4,6 +4,7 @@ import json
 import subprocess
 
 import pandas as pd
+import torch
 import pytest
 
 from niah.config import ROOT, load_config
@@ -59,7 +60,8 @@ def test_a_dry_config_keeps_the_architecture_and_every_method_and_shrinks_the_re
 @pytest.mark.parametrize("config", sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")))
 def test_every_shipped_config_dry_runs_to_its_needle_questions(tmp_path, config):
     """Each shipped config's dry run loads, and its needle questions (notebook 03's battery, notebooks 01-02's
-    weights x KV cells) fit its shortened lengths: the smoke config's did not (512 / 16 leaves 32 tokens)."""
+    weights x KV cells) fit its shortened lengths, and its weight groups its narrowed layers: the smoke config's
+    needles did not fit (512 / 16 leaves 32 tokens), nor could quick's 9 heads share a hidden size with group 64."""
     from niah.experiments.battery import battery_contexts
     from niah.weightquant.needle import needle_battery
 
@@ -69,6 +71,8 @@ def test_every_shipped_config_dry_runs_to_its_needle_questions(tmp_path, config)
     for battery in batteries:
         assert battery_contexts(dry, lm, battery)  # raises where a needle does not fit
     assert min(dry.niah.lengths) >= FITS_A_NEEDLE
+    linears = [m for m in lm.model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.in_features % dry.weightquant.group == 0 for m in linears)  # notebook 01's groups (quick's did not)
 
 
 def test_the_dry_run_shortens_needle_lengths_to_a_floor_that_fits_a_needle_and_keeps_each_once():
