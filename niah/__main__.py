@@ -1,4 +1,4 @@
-"""Command line: ``python -m niah {run,reproduce,report,report-check,summary,repair,bench,env}``; see
+"""Command line: ``python -m niah {run,ask,reproduce,report,report-check,summary,repair,bench,env}``; see
 ``python -m niah -h``."""
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ADDRESS",
         help="run the battery on Ray: local, auto or ray://host:10001 (pip install -e '.[ray]')",
     )
+    p = sub.add_parser("ask", help="ask one question about a text file through KV methods, paired with fp16")
+    p.add_argument("--config", default="cpu", help="the config whose model answers")
+    p.add_argument("--methods", nargs="+", default=["fp16"], help="KV methods (fp16 is always asked, first)")
+    p.add_argument("--context-file", required=True, help="a UTF-8 text file: the context")
+    p.add_argument("--question", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p = sub.add_parser("reproduce", help="execute the notebook chain with papermill")
     p.add_argument("--config", default="cpu")
     p.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 03")
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             path = run_needles(cfg, load_model(cfg.model, device=cfg.device))
             print(f"results: {path}")
             _report_statuses(cfg)
+        elif args.cmd == "ask":
+            _ask(args)
         elif args.cmd == "reproduce":
             from .report.chain import reproduce  # heavy: each command loads its own stage only
 
@@ -182,6 +190,27 @@ def _os_problem(err: OSError) -> str:
     if err.errno not in fixes:
         return f"{err.strerror or err}{where}"
     return f"{fixes[err.errno]}{where}. Rows written before it are kept: rerun the same command to resume"
+
+
+def _ask(args) -> None:
+    """``niah ask``: the question through each method on the config's model, printed as a table."""
+    from .ask import ask  # heavy: each command loads its own stage only
+    from .config import ConfigError, load_config
+    from .models import load_model
+
+    try:
+        context = open(args.context_file, encoding="utf-8").read()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{args.context_file} is not UTF-8 text: re-save it as UTF-8") from None
+    cfg = load_config(args.config)
+    lm = load_model(cfg.model, device=cfg.device)
+    try:
+        table = ask(lm.model, lm.tokenizer, context, args.question, args.methods, max_new_tokens=args.max_new_tokens)
+    except ValueError as err:  # an empty file, an unknown method, a context longer than the model
+        raise ConfigError(str(err)) from None
+    attrs = table.attrs
+    print(f"{lm.name}, {attrs['context_tokens']} context tokens; fp16's answer: {attrs['reference_answer']!r}")
+    print(table.to_string(float_format=lambda x: f"{x:.4g}"))
 
 
 def _record_environment(cfg: Config) -> None:

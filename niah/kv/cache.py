@@ -22,6 +22,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -280,6 +281,13 @@ def _layer(spec: CacheSpec, method: KVMethod, layer_idx: int, window: int | None
     return (FusedEngineLayer if fused else EngineLayer)(method, layer_idx, spec.keep_dequantized, window, raw_until)
 
 
+def _method_at(spec: CacheSpec, i: int, kind: str, layers: int, hybrid: bool) -> KVMethod:
+    """The method layer ``i`` (of type ``kind``, in a model of ``layers`` layers) stores with: ``spec``'s where its
+    layer policy stores that layer (and ``spec.sliding`` does not keep sliding layers at fp16), else fp16."""
+    stored = spec.method.layers.stores(i, kind, layers, hybrid)
+    return spec.method if stored and not (kind == SLIDING and spec.sliding == "fp16") else get_method("fp16")
+
+
 class PackedCache(Cache):
     """One :class:`PackedLayer` per attention layer, a private copy of transformers' layer per linear-attention one,
     built by :meth:`from_states` as ``spec`` says."""
@@ -312,12 +320,25 @@ class PackedCache(Cache):
             if st.kind == LINEAR:
                 layers.append(copy.deepcopy(st.linear))
                 continue
-            stored = spec.method.layers.stores(i, st.kind, len(states), hybrid)
-            stored = stored and not (st.kind == SLIDING and spec.sliding == "fp16")
-            layer = _layer(spec, spec.method if stored else get_method("fp16"), i, st.window)
+            layer = _layer(spec, _method_at(spec, i, st.kind, len(states), hybrid), i, st.window)
             layer.update(st.keys, st.values)
             layer.seen = st.seen
             layers.append(layer)
+        return cls(spec, layers)
+
+    @classmethod
+    def empty(cls, config, spec: CacheSpec) -> PackedCache:
+        """An empty cache for a model of transformers config ``config``, its layers as :meth:`from_states` makes them
+        (linear-attention layers: transformers' own, empty)."""
+        plain = DynamicCache(config=config).layers  # transformers' layer types for this model, and the windows
+        hybrid = any(isinstance(x, LinearAttentionCacheLayerMixin) for x in plain)
+        layers = []
+        for i, x in enumerate(plain):
+            if isinstance(x, LinearAttentionCacheLayerMixin):
+                layers.append(x)
+                continue
+            window = getattr(x, "sliding_window", None)
+            layers.append(_layer(spec, _method_at(spec, i, SLIDING if window else FULL, len(plain), hybrid), i, window))
         return cls(spec, layers)
 
     def dequantize_now(self) -> None:
@@ -354,6 +375,54 @@ class PackedCache(Cache):
             else:
                 out["linear_state"] += linear_state_bytes(layer)
         return out
+
+
+class GenerateCache(PackedCache):
+    """A :class:`PackedCache` that ``model.generate()`` fills from empty (:func:`niah.kv.cache_for`): its first forward
+    pass is the whole prompt and every later one a decode step.
+
+    * ``strict``: every pass reads every stored token back from the stored form, the prompt's own tokens included, as
+      llama.cpp reads its cache.  This is stricter than the battery's ``strict`` rows, whose context is prefilled
+      raw and stored before the question reads it (a prefix-cache hit): :func:`niah.ask.ask` reproduces those.
+    * ``engine``: the prompt reads its own raw keys and values, then decode steps read the stored form: vLLM's reads
+      of a fresh prompt in one chunk, the battery's ``@engine`` rows.  A prompt longer than the chunk
+      (``engine_chunk``) would need vLLM's chunked prefill, which one ``generate()`` pass is not: it is refused.
+    """
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, EngineLayer):
+            if layer.seen:  # the prompt was the first pass: this is a decode step, which reads the stored form
+                layer.end_prompt()
+            elif key_states.shape[-2] > layer.raw_until:
+                raise ValueError(
+                    f"a {key_states.shape[-2]}-token prompt is longer than the engine read mode's chunk "
+                    f"({layer.raw_until} tokens), and vLLM would prefill it in chunks, which one generate() pass is "
+                    "not: pass a larger engine_chunk to cache_for, or use niah.ask.ask, which reads in chunks"
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def cache_for(model, method: str, engine_chunk: int = 16384, sliding: str = "quantize") -> GenerateCache:
+    """An empty cache that ``model.generate(ids, past_key_values=cache_for(model, method))`` fills, storing with KV
+    method ``method`` (a :mod:`niah.kv.registry` name) in the layers its layer policy codes, fp16 in the others, and
+    reading as its read mode says (``name@engine``: vLLM's; :class:`GenerateCache` says what one ``generate()``
+    prompt pass reads in each mode).  ``engine_chunk``: vLLM's ``max_num_batched_tokens`` (engine reads only);
+    ``sliding``: ``"fp16"`` keeps sliding-window layers at fp16.  ``cache.nbytes()``: the stored bytes, by layer
+    type.  Works for every layer type :func:`niah.experiments.protocol.context_states` takes (full, sliding-window,
+    linear-attention)."""
+    spec = CacheSpec.resolve(method, engine_chunk, sliding=sliding)
+    refuse_static(method, spec.method)
+    return GenerateCache.empty(model.config, spec)
+
+
+def refuse_static(name: str, method: KVMethod) -> None:
+    """Raise for a ``+static`` method: its key statistics are calibrated per model by a config's run."""
+    if method.key_statistics is not None and method.key_statistics.static:
+        raise ValueError(
+            f"{name}: +static key statistics are calibrated per model by a config's run (niah.experiments.keystats);"
+            " drop +static here (+centred and +scaled compute them from the prompt itself)"
+        )
 
 
 def linear_state_bytes(layer: LinearAttentionCacheLayerMixin) -> int:
