@@ -12,6 +12,7 @@ is asked for; a machine without a cluster gets a local one.  See docs/design-not
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -44,11 +45,26 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _ray():
+# Ray Client reports a ray:// head that is down and one that refuses this driver's token alike, as a timeout
+CLIENT_FIX = (
+    "start it with `ray start --head`, and for a head with token authentication set RAY_AUTH_MODE=token and "
+    "RAY_AUTH_TOKEN (`ray get-auth-token` on the head) here"
+)
+
+
+def _client(address: str | None) -> bool:
+    """Whether ``address`` is reached through Ray Client (``ray://host:port``)."""
+    return (address or "").startswith("ray://")
+
+
+def _ray(address: str | None):
+    """Ray, imported; a ``ray://`` ``address`` also needs Ray Client (grpcio), which plain ``pip install ray`` lacks."""
     try:
         import ray  # optional extra: ray
     except ImportError:
         raise ClusterError("the config asks for a cluster, but Ray is not installed: pip install -e '.[ray]'") from None
+    if _client(address) and importlib.util.find_spec("grpc") is None:
+        raise ClusterError(f"the address {address} needs Ray Client, which is not installed: pip install -e '.[ray]'")
     return ray
 
 
@@ -72,7 +88,7 @@ class Pool:
 
     def __init__(self, cfg: Config):
         s = cfg.cluster
-        ray = self.ray = _ray()
+        ray = self.ray = _ray(s.address)
         self.started = not ray.is_initialized()
         if self.started:
             try:
@@ -87,8 +103,10 @@ class Pool:
                         log_to_driver=False,
                     )
             except (ConnectionError, RuntimeError, ValueError) as err:
+                reason = str(err).strip().splitlines()[-1]  # Ray Client puts the head's traceback before its error
+                fix = f"; {CLIENT_FIX}" if _client(s.address) else ""
                 raise ClusterError(
-                    f"could not reach the Ray cluster at {s.address or 'a new local cluster'}: {err}"
+                    f"could not reach the Ray cluster at {s.address or 'a new local cluster'}: {reason}{fix}"
                 ) from None
         actor = ray.remote(_Worker)
         host = socket.gethostname()

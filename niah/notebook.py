@@ -140,6 +140,25 @@ def ablation(df: pd.DataFrame, cfg: Config, lm, figures_dir: Path) -> pd.DataFra
     return table
 
 
+def ask_one(cfg: Config, lm, rows: pd.DataFrame, methods=("fp16", "q4_0", "turboquant_k8v4@engine")) -> pd.DataFrame:
+    """The battery's first question at its shortest length asked through :func:`niah.ask.ask_ids` (what a user runs on
+    their own document), next to the battery's own rows for it (``rows``: the needle table) where it has them."""
+    from .ask import ask_ids  # heavy: transformers' generation path, for this cell only
+    from .experiments.battery import question_prompts
+
+    if not cfg.battery.present:
+        return pd.DataFrame({"note": ["this config has no battery: see the README's section on your own model"]})
+    ids, q = next(p for p in question_prompts(cfg, lm) if p[1].length == cfg.battery.lengths[0])
+    n = cfg.niah
+    table = ask_ids(
+        lm.model, lm.tokenizer, ids, list(q.question_ids), list(methods), list(q.answer_ids), [q.value],
+        max_new_tokens=n.max_new_tokens, engine_chunk=n.engine_chunk, prefill_chunk=n.prefill_chunk,
+    )  # fmt: skip
+    mine = rows[(rows.get("needle_key") == q.key) & (rows["length"] == q.length) & (rows["status"] == "ok")]
+    battery = mine.set_index("method")[["generated", "answer_logprob"]].add_prefix("battery_")
+    return table[["answer", "score", "answer_logprob", "kl_first_token", "kv_bytes"]].join(battery)
+
+
 def perplexity_breakdown(cfg: Config, table: pd.DataFrame, figures_dir: Path) -> list[Path]:
     """The loss-breakdown figure of :func:`~niah.report.tables.perplexity_table`'s ``table`` (keys, values,
     full and sliding layers alone), when the config asks for ``kv_perplexity.breakdown``; saved as PNG and SVG."""

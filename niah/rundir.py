@@ -64,7 +64,7 @@ TABLES = {
             ("nll_sum", "kl_vs_ref"),
             ("nll_sum",),
         ),
-        TableKind(WEIGHTS, "weightquant_results.jsonl", ("config", "model", "scheme"), ("ppl",), ("ppl",)),
+        TableKind(WEIGHTS, "weightquant_results.jsonl", ("config", "model", "scheme"), ("ppl",)),  # rows of 2 kinds
         TableKind(
             WEIGHT_NEEDLES,
             "weightquant_niah.jsonl",

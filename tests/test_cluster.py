@@ -1,12 +1,17 @@
 """The battery, the sweep and perplexity through the cache on a local 2-CPU Ray cluster: the same rows as one
-process, a worker killed mid-run, a killed driver resumed."""
+process, a worker killed mid-run, a killed driver resumed; and units sent to a head node through a ray:// address."""
 
 import json
 import os
+import secrets
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +145,72 @@ def test_many_small_units_each_come_back_once(local_cluster, smoke):
         done = [row for rows in pool.run(units) for row in rows]
     assert sorted(r["payload"] for r in done) == list(range(120))
     assert {r["worker"].split("/")[-1] for r in done} == {"ray-worker-0", "ray-worker-1"}
+
+
+def _free_ports(n):
+    """``n`` ports free on this machine now, all different (held together while they are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def head():
+    """A head node started here by ``ray start --head --block`` with token authentication on: its Ray Client address
+    and the environment holding the token.  Teardown stops this node only (``--block`` stops its processes on
+    SIGTERM); ``ray stop --force`` would kill every Ray cluster on the machine, this module's own included."""
+    port, client = _free_ports(2)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # a short directory: the Unix socket paths Ray makes under it must fit in 107 characters
+    with tempfile.TemporaryDirectory(prefix="ray", ignore_cleanup_errors=True) as temp:
+        log = Path(temp) / "start.log"
+        cmd = [Path(sys.executable).parent / "ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2"]
+        cmd += [f"--ray-client-server-port={client}", "--include-dashboard=false", "--disable-usage-stats"]
+        with open(log, "w") as out:
+            proc = subprocess.Popen([*cmd, f"--temp-dir={temp}"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while "Ray runtime started" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.5)
+            yield f"ray://127.0.0.1:{client}", env
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+CLIENT_DRIVER = textwrap.dedent(
+    """
+    import json, sys
+    from niah.cluster import Unit, run_units
+    from niah.config import load_config
+    from niah.experiments.clusterbench import noop
+
+    cluster = {"engine": "ray", "address": sys.argv[1], "workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1}
+    rows = []
+    units = [Unit(f"empty {i}", i, noop, i) for i in range(4)]
+    run_units(load_config("smoke").updated("cluster", **cluster), units, rows.extend)
+    print(json.dumps(rows))
+    """
+)
+
+
+def test_ray_client_address_reaches_a_head_node(head):
+    address, env = head
+    # a driver of its own: in this process a Pool would use the Ray already running here, the module's local cluster
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT_DRIVER, address],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    rows = json.loads(done.stdout.decode().splitlines()[-1])
+    assert sorted(r["payload"] for r in rows) == [0, 1, 2, 3]
+    assert {r["worker"].split("/")[-1] for r in rows} == {"ray-worker-0"}
