@@ -4,8 +4,8 @@ import json
 import subprocess
 
 import pandas as pd
-import torch
 import pytest
+import torch
 
 from niah.config import ROOT, load_config
 from niah.dryrun import SCALE, dry_config, pattern_period, write_dry_config
