@@ -67,7 +67,7 @@ def test_the_readme_examples_run_verbatim(lm, tmp_path, monkeypatch):
     exec(_example("generate"), scope)
     exec(_example("ask"), scope)
     table, needle = scope["table"], scope["needle"]
-    assert list(table.index) == ["fp16", "q4_0", "turboquant_k3v4_nc+centred@engine"]
+    assert list(table.index) == ["fp16", "q4_0", "turboquant_3bit_nc+centred+scaled"]
     assert table.loc["fp16", "kl_first_token"] == 0 and table.loc["q4_0", "kv_bytes"] < table.loc["fp16", "kv_bytes"]
     assert set(needle["score"]) <= {0.0, 1.0} and needle.attrs["reference_answer"] == " 7731"
 
