@@ -194,7 +194,8 @@ def _os_problem(err: OSError) -> str:
 
 def _ask(args) -> None:
     """``niah ask``: the question through each method on the config's model, printed as a table."""
-    from .ask import ask  # heavy: each command loads its own stage only
+    # heavy: each command loads its own stage only
+    from .ask import ask
     from .config import ConfigError, load_config
     from .models import load_model
 

@@ -143,7 +143,8 @@ def ablation(df: pd.DataFrame, cfg: Config, lm, figures_dir: Path) -> pd.DataFra
 def ask_one(cfg: Config, lm, rows: pd.DataFrame, methods=("fp16", "q4_0", "turboquant_k8v4@engine")) -> pd.DataFrame:
     """The battery's first question at its shortest length asked through :func:`niah.ask.ask_ids` (what a user runs on
     their own document), next to the battery's own rows for it (``rows``: the needle table) where it has them."""
-    from .ask import ask_ids  # heavy: transformers' generation path, for this cell only
+    # heavy: the battery and the ask path load transformers' generation code, for this cell only
+    from .ask import ask_ids
     from .experiments.battery import question_prompts
 
     if not cfg.battery.present:

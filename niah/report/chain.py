@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -37,8 +39,6 @@ def reproduce(
     Executed notebooks and results go to ``papermill_runs/<config>/``, figures to ``figures/<config>/``
     (or under ``run_root`` and ``figures_root``).
     """
-    import papermill  # optional extra: notebooks
-
     cfg = load_config(config)  # fails fast on a bad config, before any notebook starts
     unknown = [o for o in only or [] if not any(nb.name.startswith(o) for nb in chain())]
     if unknown:
@@ -58,9 +58,7 @@ def reproduce(
             continue
         print(f"[reproduce {config}] {nb.name}", flush=True)
         t0 = time.perf_counter()
-        papermill.execute_notebook(
-            str(nb), str(out / nb.name), parameters=params, cwd=str(NOTEBOOKS), progress_bar=False, log_output=True
-        )
+        _execute(nb, out / nb.name, params)
         times[nb.name] = round(time.perf_counter() - t0, 1)
     target = out / ("timing_partial.json" if only else "timing.json")  # a partial rerun never overwrites the chain's
     if only and target.exists():  # partial runs add up: each notebook's latest time
@@ -80,6 +78,67 @@ def reproduce(
             print(f"[reproduce {config}] no summary.md: {err}", flush=True)
     print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)
     return times
+
+
+def _execute(nb: Path, target: Path, params: dict) -> None:
+    """Execute notebook ``nb`` into ``target`` with papermill, on a kernel of its own (:func:`_kernel`).
+
+    On a Ctrl-C (a KeyboardInterrupt: it reaches this process only, a kernel runs in a session of its own) the kernel
+    is killed at once, with the processes it started, and the interrupt goes on.  Nothing more is printed and no
+    kernel is left running; the rows the notebook wrote stay (each is on disk when its append returns).
+    """
+    import papermill  # optional extra: notebooks
+    from jupyter_core.utils import run_sync  # optional extra: notebooks
+
+    kernel = _kernel()
+    interrupted = False
+    try:
+        papermill.execute_notebook(
+            str(nb), str(target), parameters=params, cwd=str(NOTEBOOKS), progress_bar=False, log_output=True, km=kernel
+        )
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        run_sync(kernel.stop)(interrupted)
+
+
+def _kernel():
+    """A kernel manager to hand papermill, of the ``python3`` kernel (which every notebook names).  nbclient starts
+    the kernel and opens a client to it but, the manager not being its own, stops neither: ``await stop(interrupted)``
+    does, and so it runs before anything else touches the kernel after a Ctrl-C (nbclient's own stop would interrupt
+    the kernel, then ask it to shut down)."""
+    from jupyter_client import AsyncKernelManager  # optional extra: notebooks
+
+    class Kernel(AsyncKernelManager):
+        opened = None  # the client nbclient talks to the kernel with
+
+        def client(self, **kwargs):
+            self.opened = super().client(**kwargs)
+            return self.opened
+
+        async def stop(self, interrupted: bool) -> None:
+            """Shut the kernel down (killed if ``interrupted``), free its ports and files, close the client."""
+            if interrupted:
+                # nbclient's wait for the cell (or the start) that the Ctrl-C cut off is still on this loop: cancelled
+                # and collected before the kernel dies, it never finds the kernel dead, which it would log, and then
+                # fail with a DeadKernelError whose traceback asyncio prints when the task is garbage-collected
+                cut_off = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+                for task in cut_off:
+                    task.cancel()
+                await asyncio.gather(*cut_off, return_exceptions=True)  # a cancelled wait raises DeadKernelError too
+                if self.has_kernel:
+                    # killed, not interrupted then asked to shut down: ipykernel would reply to the interrupted cell on
+                    # a socket the shutdown request has closed, and print the ZMQError's traceback
+                    await self.signal_kernel(signal.SIGKILL)  # to its process group: the processes it started too
+                    await self.finish_shutdown()  # waits for it to die, and reaps it
+            elif await self.is_alive():  # it ran its notebook to the end, or to a failed cell
+                await self.shutdown_kernel()
+            await self.cleanup_resources()
+            if self.opened is not None:
+                self.opened.stop_channels()
+
+    return Kernel()
 
 
 ATTEMPT = "timing_attempt.json"  # a full chain run in progress: when it started, and the interrupted runs before it
