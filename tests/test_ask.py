@@ -15,7 +15,9 @@ from niah.kv import cache_for
 from niah.kv.cache import GenerateCache
 from niah.models import load_model
 
-SPECS = {"llama": load_config("smoke").model, **HYBRID_SPECS}  # full, sliding-window and linear-attention layers
+# full-attention (Llama, Qwen3), sliding-window (Gemma 3) and linear-attention layers (Qwen3.5-MoE)
+SPECS = {"llama": load_config("smoke").model, **HYBRID_SPECS}
+SPECS["qwen3"] = {**SPECS["llama"], "architecture": "qwen3"}
 
 
 @pytest.fixture(scope="module", params=sorted(SPECS))
