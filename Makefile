@@ -54,7 +54,7 @@ reproduce: $(VENV)/.base
 gpu-check: $(VENV)/.base
 	$(PY) -m niah gpu-check $(if $(DRY_RUN),--dry-run)
 
-## the run's headline tables into results/$(CONFIG)/summary.md and the README's results block (commit both)
+## the run's headline tables into results/$(CONFIG)/summary.md and, for cpu, the README's results block (commit both)
 readme-results: $(VENV)/.base
 	$(PY) -m niah summary --config $(CONFIG) --write
 

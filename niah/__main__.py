@@ -244,10 +244,12 @@ def _report_statuses(cfg: Config) -> None:
 def _summary(config: str, write: bool) -> None:
     # heavy: each command loads its own stage only
     from .config import ROOT, load_config
-    from .report.summary import summary_markdown, write_results
+    from .report.summary import README_CONFIG, summary_markdown, write_results
 
     cfg = load_config(config)
-    if write:
+    if write and cfg.name != README_CONFIG:  # the README's block shows the default chain; other configs link theirs
+        print(f"wrote {write_results(cfg, None, ROOT / 'results')} (the README's results block shows {README_CONFIG})")
+    elif write:
         print(f"wrote {write_results(cfg, ROOT / 'README.md', ROOT / 'results')} and the README's results block")
     else:
         print(summary_markdown(cfg))

@@ -217,12 +217,18 @@ def summary_markdown(cfg: Config, folder: str | Path | None = None) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_results(cfg: Config, readme: Path, results_root: Path, folder: str | Path | None = None) -> Path:
-    """Write ``results/<name>/summary.md`` and put it into ``readme`` between :data:`BEGIN` and :data:`END`."""
+README_CONFIG = "cpu"  # the config whose summary the README's results block shows (the default chain)
+
+
+def write_results(cfg: Config, readme: Path | None, results_root: Path, folder: str | Path | None = None) -> Path:
+    """Write ``results/<name>/summary.md`` and put it into ``readme`` between :data:`BEGIN` and :data:`END` (None: the
+    summary file only)."""
     text = summary_markdown(cfg, folder)
     target = results_root / cfg.name / "summary.md"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text, encoding="utf-8")
+    if readme is None:
+        return target
     body = readme.read_text(encoding="utf-8")
     if BEGIN not in body or END not in body:
         raise NoResults(f"{readme} has no {BEGIN} ... {END} block to fill")
