@@ -698,3 +698,18 @@ def test_summary_of_a_config_file_that_never_ran_advises_a_command_that_takes_th
     assert f"run `make reproduce CONFIG={path}` first" in capsys.readouterr().err
     assert load_config("smoke").source == "smoke"
     assert load_config(str(path)).updated("niah", trials=1).source == str(path)
+
+
+def test_readme_results_of_a_config_other_than_cpu_writes_its_summary_and_leaves_the_readme(
+    tmp_path, monkeypatch, capsys
+):
+    from niah.report.summary import BEGIN, END
+
+    monkeypatch.setattr("niah.report.summary.summary_markdown", lambda cfg, folder=None: f"summary of {cfg.name}\n")
+    monkeypatch.setattr("niah.config.ROOT", tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nthe cpu chain's summary\n{END}\n")
+    assert main(["summary", "--config", "smoke", "--write"]) == 0
+    assert "the README's results block shows cpu" in capsys.readouterr().out
+    assert "the cpu chain's summary" in readme.read_text()
+    assert (tmp_path / "results" / "smoke" / "summary.md").read_text() == "summary of smoke\n"
