@@ -159,3 +159,19 @@ def test_key_trick_methods_run_through_the_sweep(smoke_with, tiny, tmp_path):
     assert {r["status"] for r in rows} == {"ok"} and len(rows) == 6
     bits = {r["method"]: r["kv_bytes"] for r in rows if r["length"] == 256}
     assert bits[methods[1]] < bits[methods[0]] == bits["fp16"]  # the tiny model's 2 layers are vLLM's boundary layers
+
+
+def test_the_sweep_table_shows_its_three_longest_lengths_by_default():
+    """The summary's sweep table: quick's sweep (1, 1K, 2K tokens) showed no row when the lengths were fixed at
+    4K-16K."""
+    import pandas as pd
+
+    from niah.report.analysis import at_lengths
+
+    sweep = pd.DataFrame(
+        [{"method": m, "length": L, "status": "ok", "kv_bytes": L * (2 if m == "fp16" else 1)}
+         for m in ("fp16", "q8_0") for L in (1, 1024, 2048)]
+    )  # fmt: skip
+    table = at_lengths(sweep)
+    assert sorted(set(table["length"])) == [1024, 2048]
+    assert set(table.loc[table["method"] == "q8_0", "bytes_vs_ref"]) == {0.5}

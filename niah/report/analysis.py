@@ -53,9 +53,12 @@ def sweep_fits(sweep: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def at_lengths(sweep: pd.DataFrame, lengths=(4096, 8192, 16384), ref: str = "fp16") -> pd.DataFrame:
+def at_lengths(sweep: pd.DataFrame, lengths=None, ref: str = "fp16") -> pd.DataFrame:
     """Bytes per token, ratio to the reference, and TPOT ratio to the reference (paired round by round in the
-    sweep, :func:`niah.experiments.sweep._paired_tpot`) at the marked lengths."""
+    sweep, :func:`niah.experiments.sweep._paired_tpot`) at ``lengths`` (None: the sweep's three longest, as the cpu
+    config's 4K, 8K and 16K; quick's 1K and 2K)."""
+    if lengths is None:
+        lengths = sorted({L for L in sweep["length"] if L > 1})[-3:]  # a 1-token step has no context to compare
     ok = sweep[(sweep["status"] == "ok") & sweep["length"].isin(lengths)].copy()
     ok["bytes_per_token"] = ok["kv_bytes"] / ok["length"]
     base = ok[ok["method"] == ref].set_index("length")
