@@ -178,7 +178,7 @@ def head():
             while "Ray runtime started" not in log.read_text():
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
                 time.sleep(0.5)
-            yield f"ray://127.0.0.1:{client}", env
+            yield f"ray://127.0.0.1:{client}", env, Path(temp)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -201,16 +201,22 @@ CLIENT_DRIVER = textwrap.dedent(
 
 
 def test_ray_client_address_reaches_a_head_node(head):
-    address, env = head
-    # a driver of its own: in this process a Pool would use the Ray already running here, the module's local cluster
-    done = subprocess.run(
-        [sys.executable, "-c", CLIENT_DRIVER, address],
-        env={**env, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        capture_output=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    address, env, temp = head
+    for attempt in range(2):
+        # a driver of its own: in this process a Pool would use the Ray already running here, the module's local cluster
+        done = subprocess.run(
+            [sys.executable, "-c", CLIENT_DRIVER, address],
+            env={**env, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            capture_output=True,
+            timeout=300,
+        )
+        # Ray's proxy sometimes fails to start the per-client server (3 times in about 14 runs on this 2-core machine,
+        # 2026-12-07); a second connection then succeeds, as a user's retry would
+        if done.returncode == 0 or "Starting Ray client server failed" not in done.stderr.decode():
+            break
+    logs = "".join(p.read_text()[-1500:] for p in temp.glob("session_*/logs/ray_client_server_*.err"))
+    assert done.returncode == 0, done.stderr.decode()[-2000:] + "\n" + logs
     rows = json.loads(done.stdout.decode().splitlines()[-1])
     assert sorted(r["payload"] for r in rows) == [0, 1, 2, 3]
     assert {r["worker"].split("/")[-1] for r in rows} == {"ray-worker-0"}
