@@ -116,7 +116,7 @@ def test_gpu_check_refuses_a_machine_without_a_gpu_and_its_dry_run_fills_the_tab
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", GPU_CONFIGS)
+@pytest.mark.parametrize("config", ["h200", "a100-80g"])  # qwen3.5-35b-a3b-random: h200's architecture and sections
 def test_the_dry_run_of_a_gpu_config_executes_its_whole_chain(tmp_path, config):
     from niah.report.chain import chain, reproduce
 
