@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .kv.layout import UnsupportedLayout
@@ -200,7 +201,7 @@ def _ask(args) -> None:
     from .models import load_model
 
     try:
-        context = open(args.context_file, encoding="utf-8").read()
+        context = Path(args.context_file).read_text(encoding="utf-8")  # closed when read
     except UnicodeDecodeError:
         raise ConfigError(f"{args.context_file} is not UTF-8 text: re-save it as UTF-8") from None
     cfg = load_config(args.config)

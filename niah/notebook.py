@@ -68,6 +68,21 @@ def model_card(lm, cfg: Config) -> pd.DataFrame:
     return pd.DataFrame({"value": facts})
 
 
+def source_formats(spec: dict) -> pd.DataFrame | str:
+    """Each decoder tensor's format in the GGUF that a ``package`` or ``assembled`` model spec is dequantized from
+    (:func:`niah.weightquant.source.source_formats`, read from the file), or a sentence for any other source."""
+    if spec["source"] not in ("package", "assembled"):  # hub and random weights are the weights as published or made
+        return f"the {spec['source']} model's weights are not a GGUF's: nothing was dequantized"
+    from .models import verified_gguf
+    from .weightquant.source import decoder_bits
+    from .weightquant.source import source_formats as formats
+
+    path = verified_gguf(spec)
+    table = formats(path)
+    print(f"{path.name}: the decoder linears hold {decoder_bits(path):.2f} bits per weight as shipped")
+    return table
+
+
 def heatmaps(df: pd.DataFrame, cfg: Config, figures_dir: Path) -> list[Path]:
     """One accuracy heatmap per method, with a difference-from-reference panel for the others; saved as PNG and SVG."""
     # heavy: matplotlib and seaborn, for the figures only

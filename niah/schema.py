@@ -334,6 +334,9 @@ class WeightQuant(Section):
         dry=each({"windows": at_most(2), "length": at_most(128), "batch": at_most(2)}),
     )
     group: int = setting(64, dry=at_most(64))  # weights per scale
+    # the 4-bit schemes at the source GGUF's own block: Q5_0, Q8_0 and Q4_K's sub-blocks hold 32 weights each
+    block_group: int = setting(32, dry=at_most(32))
+    more_bits: int = setting(6)  # the mixed scheme's attn_v and ffn_down bits, where llama.cpp's Q4_K_M rule has Q6_K
     # the first calibration windows, cut to seqlen
     autoround: dict = setting(
         {"iters": 10, "samples": 8, "seqlen": 128, "batch_size": 8, "amp": False},
@@ -355,9 +358,12 @@ class WeightQuant(Section):
     )
     # keys of schemes_01 with needle cells
     needle_schemes: list[str] = setting(
-        ["fp32", "w8a8_sym", "w4a16_ar", "w4a8", "w4a8_outliers"], rows=(WEIGHT_NEEDLES,)
+        ["fp32", "w8a8_sym", "w4a16_rtn_block", "w4a16_ar_block", "w4a16_mixed"], rows=(WEIGHT_NEEDLES,)
     )
-    kv_methods: list[str] = setting(["fp16", "q8_0", "q4_0", "turboquant_k8v4@engine"], rows=(WEIGHTS, WEIGHT_NEEDLES))
+    kv_methods: list[str] = setting(
+        ["fp16", "q8_0", "q4_0", "turboquant_k8v4@engine", "turboquant_3bit_nc+centred+scaled"],
+        rows=(WEIGHTS, WEIGHT_NEEDLES),
+    )
     generate_tokens: int = setting(300, dry=at_most(32))  # greedy tokens per scheme for the repetition check
     prompt_tokens: int = setting(32)
 

@@ -446,6 +446,10 @@ def test_weight_quantization_verdicts_follow_the_measurements():
         "S3-2", _wq({g: 15.3, g + " +1% int8 channels": 2.1})
     )
     assert not verdict("S3-2", _wq({g128: 15.3, g128 + " +1% int8 channels": 2.1})).startswith("untestable")
+    block = "W4A8 AutoRound g32 (source blocks)"  # issue 44's row: beside the seed's group's, never in its place
+    with_block = row("S3-2", _wq({g128: 15.3, g128 + " +1% int8 channels": 2.1, block: 0.4}))
+    assert with_block["verdict"].split(" ")[0] == verdict("S3-2", _wq({g128: 15.3, g128 + " +1% int8 channels": 2.1}))
+    assert "+15.30" in with_block["measured"] and f"{block}, no kept channels: +0.40" in with_block["measured"]
     assert verdict("S3-12", _wq({"W4A16": 1.0})) != verdict("S3-12", _wq({"W4A16": 2.0}))
     names = [
         f"W3A16 RTN g64 asym{s}" for s in ("", " +1% fp16 by activation", " +1% fp16 by weight", " +1% fp16 by random")

@@ -43,12 +43,12 @@ def round_trip(name, x):
 # ---------------------------------------------------------------- packing
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
 @pytest.mark.parametrize("n", [1, 7, 8, 24, 64, 67])
 def test_pack_round_trip_is_exact(bits, n):
     codes = torch.randint(0, 2**bits, (2, 3, 5, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     packed = pack_bits(codes, bits)
-    group = {1: 8, 2: 4, 3: 8, 4: 2, 8: 1}[bits]
+    group = {1: 8, 2: 4, 3: 8, 4: 2, 6: 4, 8: 1}[bits]
     assert packed.dtype == torch.uint8
     assert packed.shape == (2, 3, 5, -(-n // group) * group * bits // 8)
     assert torch.equal(unpack_bits(packed, bits, n), codes)
@@ -59,6 +59,12 @@ def test_pack_layout_is_a_little_endian_bit_stream():
     stream = sum(int(c) << (3 * i) for i, c in enumerate(codes))
     assert pack_bits(codes, 3).tolist() == [stream & 255, stream >> 8 & 255, stream >> 16]
     assert pack_bits(torch.tensor([1, 2, 3, 15], dtype=torch.uint8), 4).tolist() == [0x21, 0xF3]
+    six = sum(c << (6 * i) for i, c in enumerate([1, 2, 3, 63]))  # 4 codes of 6 bits: one 24-bit word
+    assert pack_bits(torch.tensor([1, 2, 3, 63], dtype=torch.uint8), 6).tolist() == [
+        six & 255,
+        six >> 8 & 255,
+        six >> 16,
+    ]
     assert pack_bits(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.uint8), 1).tolist() == [0x81, 0x01]
 
 

@@ -22,7 +22,7 @@ from niah.weightquant.salience import (
     uncoded_weights,
     zero_channels,
 )
-from niah.weightquant.schemes import QuantizedModel, Scheme, rtn_layers
+from niah.weightquant.schemes import QuantizedModel, Scheme, layer_bits, more_bits_layer, rtn_layers, schemes_01
 
 
 def _randn(*shape, seed=0):
@@ -72,7 +72,7 @@ def test_group_must_divide_the_input_channels():
         quantize_weight(_randn(8, 576), 4, group=128)
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 6, 8])
 def test_bit_packing_round_trips_and_takes_bits_per_code(bits):
     codes = torch.randint(0, 2**bits, (7, 3, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.int64).to(
         torch.uint8
@@ -155,6 +155,38 @@ def test_scheme_changes_logits_inside_the_block_and_restores_the_model(tiny):
     assert torch.equal(after, ref)
     assert all(m.weight is before[n] for n, m in decoder_linears(model).items())
     assert all(not m._forward_pre_hooks for m in decoder_linears(model).values())
+
+
+def test_more_bits_follows_llama_cpps_q4_k_m_rule():
+    # the layers whose attn_v is Q8_0 and ffn_down Q6_K in Gemma-3-270M's Q4_K_M GGUF (18 layers; read with gguf)
+    assert [i for i in range(18) if more_bits_layer(i, 18)] == [0, 1, 4, 7, 10, 13, 15, 16, 17]
+    # 32 layers (a Llama-3-8B-sized stack): llama.cpp's rule gives 4 + 4 + every third of the 24 between = 16
+    assert sum(more_bits_layer(i, 32) for i in range(32)) == 16
+
+
+def test_mixed_scheme_stores_more_bits_only_where_the_rule_says(tiny, smoke_cfg):
+    model = tiny.model
+    mixed = schemes_01(smoke_cfg.weightquant)["w4a16_mixed"]
+    bits = layer_bits(model, mixed)
+    more = {n for n, b in bits.items() if b == mixed.more_bits}
+    # 2 layers: only the last one (index >= 7 * 2 // 8) is favoured, and in it attn_v and ffn_down
+    assert more == {n for n in bits if ".layers.1." in n and n.endswith(("v_proj", "down_proj"))}
+    assert set(bits.values()) == {4, mixed.more_bits}
+    layers = rtn_layers(model, mixed)
+    for n, p in layers.items():
+        m = decoder_linears(model)[n]
+        out, inp = m.weight.shape
+        # bytes as promised: packed codes at the layer's bits plus one fp16 scale per group
+        assert p.bits == bits[n] and p.nbytes() == out * inp * bits[n] // 8 + out * (inp // mixed.group) * 2
+        # symmetric codes clip by at most one step on the short side, plus the fp16 scale's rounding times the codes
+        step = p.scale.float().abs()  # (out, groups)
+        err = (p.dense() - m.weight.detach().float()).reshape(out, -1, mixed.group).abs().amax(-1)
+        assert bool((err <= step * (1 + 2 ** (bits[n] - 1) * 2**-11)).all())
+    plain = schemes_01(smoke_cfg.weightquant)["w4a16_rtn_block"]
+    assert plain.group == mixed.group and not plain.more_bits
+    extra = sum(decoder_linears(model)[n].weight.numel() * (mixed.more_bits - 4) // 8 for n in more)
+    mixed_bytes = QuantizedModel(mixed, layers).linear_bytes(model)
+    assert mixed_bytes == QuantizedModel(plain, rtn_layers(model, plain)).linear_bytes(model) + extra
 
 
 def test_evaluator_scores_fp32_against_itself(tiny):

@@ -4,8 +4,9 @@
 ``[i * bits, (i + 1) * bits)``, least significant bit first, and byte ``k`` holds stream bits ``[8k, 8k + 8)``, also
 least significant first: for ``bits`` in {1, 2, 4, 8} byte ``j`` holds codes ``j*m .. j*m + m - 1``
 (``m = 8 // bits``), first code lowest (for 4 bits, ``byte = c[2j] | c[2j+1] << 4``); for ``bits = 3`` each run of
-8 codes is one 24-bit word ``c0 | c1 << 3 | ... | c7 << 21``, stored as 3 bytes, low byte first.  A row of ``n``
-codes is padded with zero codes to a whole number of groups (``8 // gcd(8, bits)`` codes), so it takes
+8 codes is one 24-bit word ``c0 | c1 << 3 | ... | c7 << 21``, stored as 3 bytes, low byte first, and for ``bits = 6``
+each run of 4 codes one 24-bit word likewise (5 and 7 bits would need 40- and 56-bit words: not supported).  A row of
+``n`` codes is padded with zero codes to a whole number of groups (``8 // gcd(8, bits)`` codes), so it takes
 ``ceil(n / group) * bytes_per_group`` bytes; :func:`unpack_bits` needs ``n`` to drop the padding.
 
 :func:`pack_planes`: bit planes, for the formats whose codes the CPU row kernels read in SIMD lanes (TurboQuant,
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from .kernels import rowkernels
 
-SUPPORTED_BITS = (1, 2, 3, 4, 8)
+SUPPORTED_BITS = (1, 2, 3, 4, 6, 8)  # a group of codes fits one int32 word
 
 
 def _layout(bits: int) -> tuple[int, int]:

@@ -10,6 +10,7 @@ every scheme.
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ class Scheme:
     zero: float = 0.0  # share of weights set to zero
     # activation: the input channels of lowest activation salience; magnitude: smallest |w| (unstructured)
     zero_by: str = ""
+    # bits of attn_v and ffn_down in the layers llama.cpp's Q4_K_M rule picks (:func:`more_bits_layer`); 0: none
+    more_bits: int = 0
 
     @property
     def simulated(self) -> bool:
@@ -62,6 +65,7 @@ class Scheme:
             "keep_bits": self.keep_bits if self.keep else None,
             "zero_share": self.zero,
             "zero_by": self.zero_by,
+            "more_bits": self.more_bits or None,
             "simulated": self.simulated,
         }
 
@@ -112,15 +116,38 @@ class QuantizedModel:
                 linears[n].weight = w
 
 
-def rtn_layers(model, scheme: Scheme, channel_scale: dict[str, torch.Tensor] | None = None) -> dict[str, PackedLinear]:
-    """Round-to-nearest codes of every decoder linear (of ``W * s`` where AWQ's ``channel_scale[name] = s`` is
-    given)."""
+MORE_BITS_ROLES = ("v_proj", "down_proj")  # llama.cpp's attn_v and ffn_down
+
+
+def more_bits_layer(index: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits`` (src/llama-quant.cpp, the Q4_K_M rule of ``llama_tensor_get_type``): the first
+    and last eighth of the ``layers`` and every third layer between them, about half of them."""
+    eighth = layers // 8
+    return index < eighth or index >= 7 * layers // 8 or (index - eighth) % 3 == 2
+
+
+def layer_bits(model, scheme: Scheme) -> dict[str, int]:
+    """``{decoder linear name: weight bits}``: ``scheme.w_bits``, or ``scheme.more_bits`` for the attn_v and ffn_down
+    linears of the layers :func:`more_bits_layer` picks."""
+    layers = len(model.base_model.layers)
     out = {}
+    for n in decoder_linears(model):
+        index = int(re.search(r"(?:^|\.)layers\.(\d+)\.", n).group(1))  # decoder_linears names end layers.<i>.<path>
+        more = scheme.more_bits and n.endswith(MORE_BITS_ROLES) and more_bits_layer(index, layers)
+        out[n] = scheme.more_bits if more else scheme.w_bits
+    return out
+
+
+def rtn_layers(model, scheme: Scheme, channel_scale: dict[str, torch.Tensor] | None = None) -> dict[str, PackedLinear]:
+    """Round-to-nearest codes of every decoder linear, at its :func:`layer_bits` (of ``W * s`` where AWQ's
+    ``channel_scale[name] = s`` is given)."""
+    out = {}
+    bits = layer_bits(model, scheme)
     for n, m in decoder_linears(model).items():
         s = (channel_scale or {}).get(n)
         w = m.weight.detach().float() * (s[None, :] if s is not None else 1.0)
         out[n] = PackedLinear.from_qweight(
-            quantize_weight(w, scheme.w_bits, scheme.group, scheme.sym), tuple(w.shape), scheme.group, channel_scale=s
+            quantize_weight(w, bits[n], scheme.group, scheme.sym), tuple(w.shape), scheme.group, channel_scale=s
         )
     return out
 
@@ -171,9 +198,11 @@ def zeroed_layers(model, scheme: Scheme, stats: dict[str, InputStats]) -> dict[s
 
 def schemes_01(s: dict) -> dict[str, Scheme]:
     """Notebook 01: fp32, W8A8 (two activation variants), W4A16 RTN and AutoRound, W4A8 with and without int8
-    outliers, W4A4."""
-    g, pct = s.group, f"{s.outlier_share:.0%}"
+    outliers, W4A4; then the 4-bit schemes at the source's block size (``block_group``): RTN, AutoRound, W4A8 and
+    llama.cpp's Q4_K_M rule (:func:`more_bits_layer`) with ``more_bits`` for the tensors it favours."""
+    g, pct, b, more = s.group, f"{s.outlier_share:.0%}", s.block_group, s.more_bits
     ar = dict(w_bits=4, group=g, rounding="autoround")
+    block = dict(w_bits=4, group=b)
     return {
         "fp32": Scheme(FP32),
         "w8a8_sym": Scheme("W8A8 sym per-token", w_bits=8, group=-1, a_bits=8),
@@ -185,6 +214,11 @@ def schemes_01(s: dict) -> dict[str, Scheme]:
             f"W4A8 AutoRound g{g} +{pct} int8 channels", **ar, a_bits=8, keep=s.outlier_share, keep_bits=8
         ),
         "w4a4": Scheme(f"W4A4 AutoRound g{g}", **ar, a_bits=4),
+        # "(source blocks)": their own names, apart from the seed's group (the ledger matches names with any group)
+        "w4a16_rtn_block": Scheme(f"W4A16 RTN g{b} (source blocks)", **block),
+        "w4a16_ar_block": Scheme(f"W4A16 AutoRound g{b} (source blocks)", **block, rounding="autoround"),
+        "w4a8_block": Scheme(f"W4A8 AutoRound g{b} (source blocks)", **block, rounding="autoround", a_bits=8),
+        "w4a16_mixed": Scheme(f"W4A16 RTN g{b} + W{more} attn_v/ffn_down (Q4_K_M rule)", **block, more_bits=more),
     }
 
 

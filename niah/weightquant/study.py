@@ -221,6 +221,7 @@ class Study:
             "kurtosis_max_layer": max(kurtosis(w) for w in ws),
             "memory_bytes": params,
             "other_bytes": params - sum(w.numel() * w.element_size() for w in ws),
+            "linear_weights": sum(w.numel() for w in ws),
         }
 
     def _base(self, name: str) -> dict:
@@ -252,6 +253,7 @@ class Study:
                 **sch.fields(),
                 **self.evaluator.measure(qm),
                 "linear_bytes": linear,
+                "bits_per_weight": linear * 8 / facts["linear_weights"],  # counted from the stored tensors
                 "disk_bytes": linear + facts["other_bytes"],
                 "memory_bytes": facts["memory_bytes"],
                 "checkpoint_file_bytes": record.pop("checkpoint_file_bytes", None),

@@ -15,6 +15,7 @@ def view(rows: pd.DataFrame) -> pd.DataFrame:
             "scheme": [s + (" [simulated]" if sim else "") for s, sim in zip(df["scheme"], df["simulated"])],
             "W bits": df["w_bits"].astype("Int64"),
             "A bits": df["a_bits"].astype("Int64"),
+            "bits/weight (stored)": df["bits_per_weight"].round(2) if "bits_per_weight" in df else None,
             "perplexity": df["ppl"].round(3),
             "Δ ppl": df["ppl_delta"].round(3),
             "KL vs fp32": df["kl_vs_fp32"].map(lambda v: f"{v:.2e}"),

@@ -108,6 +108,9 @@ def s3_2(ev):
         f"W4A8 (AutoRound int4 g{group}, simulated int8 activations): +{plain:.2f} perplexity; "
         f"with 1% int8 input channels +{kept:.2f}"
     )
+    block = _wq(ev, "W4A8 AutoRound g32 (source blocks)")
+    if block is not None:  # issue 44: the same at the source file's block size
+        measured += f"; {block['scheme']}, no kept channels: +{block['ppl_delta']:.2f}"
     if kept <= 2.1 * 1.5 and plain >= 10:
         return measured, "supported"
     return measured, "partly" if kept < plain else "refuted"
