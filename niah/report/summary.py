@@ -12,6 +12,8 @@ import pandas as pd
 
 from ..config import Config
 from ..rundir import RunDir
+from ..weightquant.source import shipped_formats
+from ..weightquant.tables import view
 from .analysis import accuracy_table, at_lengths, read_mode_table
 from .stats import paired_table
 from .tables import agreement_table, interaction_table, perplexity_table, speed_table, weights_kv_table
@@ -128,8 +130,22 @@ def _ledger_counts(run: RunDir) -> str:
 
 
 def _weights_parts(cfg: Config, run: RunDir) -> list[str]:
-    """Notebook 01's weights x KV table, the interaction and the AutoRound check, where the run has them."""
+    """Notebook 01's source formats, weight schemes, weights x KV table, the interaction and the AutoRound check,
+    where the run has them."""
     s, parts = cfg.weightquant, []
+    schemes = run.rows("weightquant")
+    if len(schemes) and (schemes["status"] == "ok").any():
+        found = shipped_formats(cfg.weights)
+        if found is not None:  # a GGUF dequantized to fp32: what the "fp32" reference really is
+            parts += [
+                f"\n**The source file's formats** (read from it; {found[0]}):\n",
+                found[1].to_markdown(index=False),
+            ]
+        parts += [
+            "\n**Weight schemes** (notebooks 01 and 02: held-out perplexity, KL and top-1 against fp32, bits per "
+            "weight counted from the stored tensors, needle accuracy at the weights x KV cells' length, fp16 cache):\n",
+            view(schemes[schemes["status"] == "ok"]).to_markdown(index=False),
+        ]
     rows = run.rows("weightquant_needles")
     if len(rows):
         rows = rows[rows["method"].isin(s.kv_methods) & rows["length"].isin(s.needle_lengths)]

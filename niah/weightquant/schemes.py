@@ -41,6 +41,7 @@ class Scheme:
     zero_by: str = ""
     # bits of attn_v and ffn_down in the layers llama.cpp's Q4_K_M rule picks (:func:`more_bits_layer`); 0: none
     more_bits: int = 0
+    iters: int = 0  # AutoRound iterations; 0: the config's weightquant.autoround.iters
 
     @property
     def simulated(self) -> bool:
@@ -66,6 +67,7 @@ class Scheme:
             "zero_share": self.zero,
             "zero_by": self.zero_by,
             "more_bits": self.more_bits or None,
+            "iters": self.iters or None,
             "simulated": self.simulated,
         }
 
@@ -220,6 +222,17 @@ def schemes_01(s: dict) -> dict[str, Scheme]:
         "w4a8_block": Scheme(f"W4A8 AutoRound g{b} (source blocks)", **block, rounding="autoround", a_bits=8),
         "w4a16_mixed": Scheme(f"W4A16 RTN g{b} + W{more} attn_v/ffn_down (Q4_K_M rule)", **block, more_bits=more),
     }
+
+
+AUTOROUND_DEFAULT_ITERS = 200  # auto-round's own default iterations (``AutoRound(iters=200)``)
+
+
+def autoround_default(s: dict) -> Scheme:
+    """``make autoround-200``: W4A16 AutoRound at the source's blocks (``block_group``) with auto-round's default
+    iterations on every block, measured once outside the chain (about 15 minutes of calibration here)."""
+    b = s.block_group
+    name = f"W4A16 AutoRound g{b} (source blocks), {AUTOROUND_DEFAULT_ITERS} iters"
+    return Scheme(name, w_bits=4, group=b, rounding="autoround", iters=AUTOROUND_DEFAULT_ITERS)
 
 
 def schemes_02(s: dict) -> dict[str, Scheme]:

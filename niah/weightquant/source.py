@@ -21,6 +21,8 @@ from os import PathLike
 import gguf
 import pandas as pd
 
+from ..models import verified_gguf
+
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -99,3 +101,14 @@ def decoder_bits(path: str | PathLike[str]) -> float:
     if not weights:
         raise ValueError(f"{path}: no 2-D blk.* tensors")
     return sum(n * b for n, b in weights) / sum(n for n, _ in weights)
+
+
+def shipped_formats(spec: dict) -> tuple[str, pd.DataFrame] | None:
+    """For a ``package`` or ``assembled`` model spec (a GGUF dequantized to fp32): a sentence naming the file and its
+    decoder linears' bits per weight, and :func:`source_formats` of it; None for any other source, whose weights
+    are as published (hub) or made (random)."""
+    if spec["source"] not in ("package", "assembled"):
+        return None
+    path = verified_gguf(spec)
+    line = f"{path.name}: the decoder linears hold {decoder_bits(path):.2f} bits per weight as shipped"
+    return line, source_formats(path)

@@ -35,7 +35,16 @@ from .evaluate import Evaluator, generate, repetition
 from .needle import needle_battery, run_needles, usable_methods
 from .quant import fake_quant_weight
 from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs, uncoded_weights
-from .schemes import QuantizedModel, Scheme, rtn_layers, schemes_01, with_kept_channels, zeroed_layers
+from .schemes import (
+    REF_METHOD,
+    QuantizedModel,
+    Scheme,
+    autoround_default,
+    rtn_layers,
+    schemes_01,
+    with_kept_channels,
+    zeroed_layers,
+)
 from .tables import OFFER
 
 
@@ -88,7 +97,7 @@ class Study:
         }
 
     def _autoround(self, scheme: Scheme):
-        a = self.s.autoround
+        a = {**self.s.autoround, **({"iters": scheme.iters} if scheme.iters else {})}
         key = self._key(scheme, autoround=a, version=autoround.version())
         windows = self.calibration[: a["samples"], : a["seqlen"]]
         return cached(
@@ -161,6 +170,18 @@ class Study:
                 }
             )
         return pd.DataFrame(rows)
+
+    def autoround_default(self, run: bool = False) -> pd.DataFrame | str:
+        """The row of :func:`~niah.weightquant.schemes.autoround_default` (its needle cells with the fp16 cache only,
+        paired with fp32's), measured first when ``run`` (``make autoround-200``); without ``run``, the row if it was
+        measured in this run folder, else a sentence saying how to measure it."""
+        sch = autoround_default(self.s)
+        if run:
+            return self.evaluate([sch], needle={sch.name: [REF_METHOD]})
+        rows = self.rows([sch.name])
+        if len(rows):
+            return rows
+        return f"{sch.name}: not measured in this run folder; `make autoround-200 CONFIG={self.cfg.name}` measures it"
 
     def _awq(self, scheme: Scheme):
         key = self._key(scheme, awq_grid=self.s.awq_grid, sample_tokens=self.s.calibration["sample_tokens"])
