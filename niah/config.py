@@ -165,6 +165,16 @@ class Config(Top):
         return replace(validate(raw, self.name), source=self.source)
 
 
+def companion_configs(cfg: Config) -> list[Config]:
+    """The loaded configs of ``cfg.companions``; a companion must name no companions of its own (one level: the
+    chain runs each once, and a cycle could not end)."""
+    out = [load_config(name) for name in cfg.companions]
+    for other in out:
+        if other.companions:
+            raise ConfigError(f"{cfg.name}'s companion {other.name} names companions of its own: drop them there")
+    return out
+
+
 def validate(raw: dict, where: str = "config") -> Config:
     """``raw`` (a config's YAML as a mapping) with its defaults filled in, every setting checked and every section
     resolved; raises :class:`ConfigError` naming the file, the setting and the fix."""
@@ -186,7 +196,13 @@ def _resolve(raw: dict, where: str) -> Config:
             f"unknown setting {unknown[0]!r}; valid settings here: {', '.join(sorted({*Top.settings(), *SECTIONS}))}"
         )
     top = {**Top.defaults(), **{k: copy.deepcopy(v) for k, v in raw.items() if k in Top.settings()}}
-    check_types("", Top, {k: top[k] for k in ("device", "threads", "seed", "haystack", "haystack_folder")})
+    check_types(
+        "", Top, {k: top[k] for k in ("device", "threads", "seed", "haystack", "haystack_folder", "companions")}
+    )
+    for other in top["companions"]:
+        if not isinstance(other, str):
+            raise ConfigError(f"companions lists config names or paths; got {other!r}")
+        config_path(other)  # a name that names no config fails here, naming the configs there are
     name = top["name"]
     if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise ConfigError(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import ROOT, Config, ConfigError, filled, load_config
+from .config import ROOT, Config, ConfigError, companion_configs, filled, load_config
 from .models import _converted_folder
 from .schema import SCALE, SECTIONS
 
@@ -183,7 +183,10 @@ def dry_config(cfg: Config) -> tuple[dict, list[str]]:
 def write_dry_config(config: str, run_root: Path | None = None) -> tuple[Path, list[str]]:
     """Write the dry config of ``config`` to ``<run_root>/<name>-dry/dry-config.yaml`` (checked by
     :func:`niah.config.load_config`); return its path and what it left out."""
-    cfg, left_out = dry_config(load_config(config))
+    loaded = load_config(config)
+    cfg, left_out = dry_config(loaded)
+    # a companion config is dry-run too: its own dry config, written beside this one
+    cfg["companions"] = [str(write_dry_config(other.source, run_root)[0]) for other in companion_configs(loaded)]
     folder = (run_root or ROOT / "papermill_runs") / cfg["name"]
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "dry-config.yaml"

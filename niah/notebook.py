@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import env
-from .config import ROOT, Config, load_config
+from .config import ROOT, Config, companion_configs, load_config
 from .models import load_model
 from .report.analysis import kv_value_share
 from .report.claims import gather_evidence, ledger
@@ -188,6 +188,38 @@ def perplexity_breakdown(cfg: Config, table: pd.DataFrame, figures_dir: Path) ->
     plt.show()
     plt.close(fig)
     return paths
+
+
+def companions(cfg: Config, run: RunDir) -> list[dict]:
+    """Issue 42: each config of ``cfg.companions`` (another architecture) asks its battery and, where it has a
+    ``kv_perplexity`` section, its perplexity through the cache, into ``<this run folder's parent>/<its name>/``
+    (resumable, as every table).  Per companion: ``config`` (its name), ``paired`` (its battery against its
+    reference, :func:`~niah.report.stats.paired_table`) and ``perplexity`` (empty without that section)."""
+    # heavy: transformers, for the cells that run a model only
+    from .experiments.battery import run_needles
+    from .experiments.kvppl import run_kv_perplexity
+    from .report.stats import paired_table
+    from .report.tables import perplexity_table
+
+    out = []
+    for other in companion_configs(cfg):
+        folder = RunDir(other, run.path.parent / other.name)
+        folder.path.mkdir(parents=True, exist_ok=True)
+        save_json(env.environment_record(), folder.path / "environment.json")  # the machine, for its summary
+        lm = load(other)
+        run_needles(other, lm, folder.file("needles"))
+        ppl = pd.DataFrame()
+        if other.kv_perplexity.present:
+            run_kv_perplexity(other, lm, folder.file("kv_perplexity"))
+            ppl = perplexity_table(folder.rows("kv_perplexity"), other.niah.reference)
+        out.append(
+            {
+                "config": other.name,
+                "paired": paired_table(folder.rows("needles"), other.niah.reference),
+                "perplexity": ppl,
+            }
+        )
+    return out
 
 
 def cold_warm(cfg: Config, run: RunDir) -> pd.DataFrame | str:

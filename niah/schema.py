@@ -132,6 +132,9 @@ class Top(Section):
     # pydoc (CPython's pydoc_data.topics), noise (RULER's filler) or folder
     haystack: str = setting("pydoc", hashed_by=TABLES)
     haystack_folder: str = setting("data/haystack", hashed_by=TABLES)  # the .txt files of haystack: folder
+    # configs (names in configs/ or paths) whose battery and KV perplexity notebook 03 also asks, each in its own run
+    # folder beside this one's: a second architecture in the same chain (niah.notebook.companions)
+    companions: list[str] = setting([])
 
 
 def engine_sweep(cfg) -> bool:
