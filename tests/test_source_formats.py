@@ -63,7 +63,7 @@ def test_vectors_only_on_request(tiny_gguf: Path) -> None:
 def test_decoder_bits_by_hand(tiny_gguf: Path) -> None:
     # attn_v: 2 x 512 values at 8.5 bits, 1 x 512 at 4.5; ffn_down: 2048 at 16; the embedding is not a decoder linear.
     expected = (2 * 512 * 8.5 + 512 * 4.5 + 2048 * 16) / (3 * 512 + 2048)
-    assert decoder_bits(tiny_gguf) == pytest.approx(expected)
+    assert decoder_bits(source_formats(tiny_gguf)) == pytest.approx(expected)
 
 
 TRUNCATED = b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (1).to_bytes(8, "little")
@@ -73,7 +73,7 @@ TRUNCATED = b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (1
 def test_not_a_gguf_is_a_one_line_value_error(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
-    for read in (source_formats, decoder_bits):
+    for read in (source_formats, lambda p: decoder_bits(source_formats(p))):
         with pytest.raises(ValueError) as info:
             read(path)
         message = str(info.value)
@@ -82,21 +82,31 @@ def test_not_a_gguf_is_a_one_line_value_error(tmp_path: Path, content: bytes) ->
 
 
 @pytest.mark.slow
-def test_gemmas_gguf_favours_the_layers_of_llama_cpps_rule_and_other_sources_have_no_file() -> None:
+def test_gemmas_gguf_favours_the_layers_of_llama_cpps_rule_and_other_sources_have_no_file(tmp_path) -> None:
     """The shipped Q4_K_M file itself: its attn_v and ffn_down are wider exactly in the layers
-    :func:`~niah.weightquant.schemes.more_bits_layer` picks, the rule the mixed 4-bit scheme follows."""
+    :func:`~niah.weightquant.schemes.more_bits_layer` picks, the rule the mixed 4-bit scheme follows; notebook 01's
+    table of it reaches the run's summary."""
     from niah.config import load_config
+    from niah.notebook import source_formats as notebook_formats
+    from niah.report.summary import _weights_parts
+    from niah.rundir import RunDir
     from niah.weightquant.schemes import more_bits_layer
     from niah.weightquant.source import shipped_formats
 
-    line, table = shipped_formats(load_config("cpu").weights)
+    cfg = load_config("cpu")
+    line, table = shipped_formats(cfg.weights)
     assert line.startswith("gemma-3-270m-q4_k_m.gguf: the decoder linears hold")
+    run = RunDir(cfg, tmp_path)
+    notebook_formats(cfg.weights, run)
+    text = "\n".join(_weights_parts(cfg, run))
+    assert f"decoder linears {decoder_bits(table):.2f} bits per weight" in text and "| attn_v" in text
     rule = ", ".join(str(i) for i in range(18) if more_bits_layer(i, 18))
     for role, wide in (("attn_v", "Q8_0"), ("ffn_down", "Q6_K")):
         row = table[(table["role"] == role) & (table["format"] == wide)].iloc[0]
         picked = [int(i) for part in row["layers"].split(", ") for i in _expand(part)]
         assert ", ".join(map(str, picked)) == rule
     assert shipped_formats(load_config("smoke").weights) is None  # random weights: no file behind them
+    assert "not a GGUF's" in notebook_formats(load_config("smoke").weights, RunDir(load_config("smoke"), tmp_path))
 
 
 def _expand(part: str) -> range:

@@ -189,6 +189,14 @@ def test_mixed_scheme_stores_more_bits_only_where_the_rule_says(tiny, smoke_cfg)
     assert mixed_bytes == QuantizedModel(plain, rtn_layers(model, plain)).linear_bytes(model) + extra
 
 
+@pytest.mark.parametrize("bits", [4, 5, 7])
+def test_the_mixed_schemes_wider_bits_are_a_packed_width_above_four(smoke_with, bits):
+    from niah.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"weightquant.more_bits must be 6 or 8 .*got {bits}"):
+        smoke_with("weightquant", more_bits=bits)
+
+
 def test_evaluator_scores_fp32_against_itself(tiny):
     ev = Evaluator(tiny.model, torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
     m = ev.measure(QuantizedModel(Scheme("fp32")))

@@ -10,7 +10,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..config import ROOT, load_config
+from ..config import ROOT, companion_configs, load_config
 from ..results import hold_lock
 from .claims import CLAIMS
 from .htmlcheck import PRINT_STYLE, check_report
@@ -40,6 +40,7 @@ def reproduce(
     (or under ``run_root`` and ``figures_root``).
     """
     cfg = load_config(config)  # fails fast on a bad config, before any notebook starts
+    companion_configs(cfg)  # and on a bad companion, which notebook 03 would meet only after 00-02
     unknown = [o for o in only or [] if not any(nb.name.startswith(o) for nb in chain())]
     if unknown:
         raise FileNotFoundError(

@@ -12,7 +12,7 @@ import pandas as pd
 
 from ..config import Config
 from ..rundir import RunDir
-from ..weightquant.source import shipped_formats
+from ..weightquant.source import SOURCE_FORMATS, decoder_bits
 from ..weightquant.tables import view
 from .analysis import accuracy_table, at_lengths, read_mode_table
 from .stats import paired_table
@@ -133,14 +133,16 @@ def _weights_parts(cfg: Config, run: RunDir) -> list[str]:
     """Notebook 01's source formats, weight schemes, weights x KV table, the interaction and the AutoRound check,
     where the run has them."""
     s, parts = cfg.weightquant, []
+    formats = run.path / SOURCE_FORMATS
+    if formats.exists():  # a GGUF dequantized to fp32: what the "fp32" reference really is
+        table = pd.read_csv(formats, keep_default_na=False)
+        parts += [
+            "\n**The source file's formats** (notebook 01 read them from the GGUF the fp32 weights were "
+            f"dequantized from; decoder linears {decoder_bits(table):.2f} bits per weight as shipped):\n",
+            table.to_markdown(index=False),
+        ]
     schemes = run.rows("weightquant")
     if len(schemes) and (schemes["status"] == "ok").any():
-        found = shipped_formats(cfg.weights)
-        if found is not None:  # a GGUF dequantized to fp32: what the "fp32" reference really is
-            parts += [
-                f"\n**The source file's formats** (read from it; {found[0]}):\n",
-                found[1].to_markdown(index=False),
-            ]
         parts += [
             "\n**Weight schemes** (notebooks 01 and 02: held-out perplexity, KL and top-1 against fp32, bits per "
             "weight counted from the stored tensors, needle accuracy at the weights x KV cells' length, fp16 cache):\n",

@@ -10,7 +10,6 @@ every scheme.
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -18,7 +17,15 @@ import torch
 
 from .pack import PackedLinear
 from .quant import fake_quant_tokens, quantize_weight
-from .salience import InputStats, channel_scores, decoder_linears, magnitude_prune, select_channels, zero_channels
+from .salience import (
+    InputStats,
+    channel_scores,
+    decoder_linears,
+    layer_type,
+    magnitude_prune,
+    select_channels,
+    zero_channels,
+)
 
 FP32 = "fp32"  # the reference weights of the weights x KV cells
 REF_METHOD = "fp16"  # the reference KV method of the weights x KV cells (asked first)
@@ -130,12 +137,14 @@ def more_bits_layer(index: int, layers: int) -> bool:
 
 def layer_bits(model, scheme: Scheme) -> dict[str, int]:
     """``{decoder linear name: weight bits}``: ``scheme.w_bits``, or ``scheme.more_bits`` for the attn_v and ffn_down
-    linears of the layers :func:`more_bits_layer` picks."""
-    layers = len(model.base_model.layers)
+    linears of the layers :func:`more_bits_layer` picks.  The index is the decoder layer's; llama.cpp counts attn_v
+    among the attention layers only, which differs on hybrid models with linear-attention layers."""
+    layers = model.base_model.layers
+    prefix = next(n for n, m in model.named_modules() if m is layers)
     out = {}
     for n in decoder_linears(model):
-        index = int(re.search(r"(?:^|\.)layers\.(\d+)\.", n).group(1))  # decoder_linears names end layers.<i>.<path>
-        more = scheme.more_bits and n.endswith(MORE_BITS_ROLES) and more_bits_layer(index, layers)
+        index = int(n[len(prefix) + 1 :].split(".")[0])  # decoder_linears names are <prefix>.<index>.<path>
+        more = scheme.more_bits and layer_type(n) in MORE_BITS_ROLES and more_bits_layer(index, len(layers))
         out[n] = scheme.more_bits if more else scheme.w_bits
     return out
 

@@ -5,7 +5,7 @@ shipped in.  :func:`source_formats` returns one row per (tensor role, ggml type)
 without its ``blk.<i>.`` prefix and ``.weight`` suffix, ``layers`` lists the blocks that store that role in
 that type, and ``values_per_block`` / ``bits_per_weight`` come from ``gguf.GGML_QUANT_SIZES``.  Every value
 is read from the file (names, types, shapes); nothing is typed by hand.  :func:`decoder_bits` is the
-element-weighted mean bits per weight of the decoder linears.
+element-weighted mean bits per weight of the decoder linears, from such a table.
 
 llama.cpp's Q4_K_M rule (src/llama-quant.cpp, ``llama_tensor_get_type`` and ``use_more_bits``) gives attn_v
 and ffn_down of about half the layers more bits (Q6_K instead of Q4_K).  Rows whose length is not a multiple
@@ -23,6 +23,7 @@ import pandas as pd
 
 from ..models import verified_gguf
 
+SOURCE_FORMATS = "source_formats.csv"  # notebook 01 writes the model's table into its run folder, for the summary
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -55,8 +56,9 @@ def source_formats(path: str | PathLike[str], include_vectors: bool = False) -> 
     """One row per (role, ggml type) of the GGUF at ``path``, roles in the order they first appear in the file.
 
     Columns: ``role``, ``format``, ``layers`` (blocks holding the role in that format, empty for non-block
-    tensors), ``tensors``, ``values_per_block``, ``bits_per_weight``, ``shape`` (GGUF's order, ne0 first; distinct
-    shapes joined by ``"; "``).  1-D tensors (norms) are skipped unless ``include_vectors``.
+    tensors), ``tensors``, ``weights`` (their elements), ``values_per_block``, ``bits_per_weight``, ``shape``
+    (GGUF's order, ne0 first; distinct shapes joined by ``"; "``).  1-D tensors (norms) are skipped unless
+    ``include_vectors``.
     """
     groups: dict[tuple[str, str], dict] = {}
     for t in _read(path).tensors:
@@ -66,8 +68,11 @@ def source_formats(path: str | PathLike[str], include_vectors: bool = False) -> 
         name = match.group(2) if match else t.name
         role = name.removesuffix(".weight")
         shape = " x ".join(str(int(n)) for n in t.shape)
-        g = groups.setdefault((role, t.tensor_type.name), {"type": t.tensor_type, "layers": [], "n": 0, "shapes": []})
+        g = groups.setdefault(
+            (role, t.tensor_type.name), {"type": t.tensor_type, "layers": [], "n": 0, "weights": 0, "shapes": []}
+        )
         g["n"] += 1
+        g["weights"] += int(t.n_elements)
         if match:
             g["layers"].append(int(match.group(1)))
         if shape not in g["shapes"]:
@@ -82,25 +87,23 @@ def source_formats(path: str | PathLike[str], include_vectors: bool = False) -> 
                 "format": fmt,
                 "layers": _ranges(g["layers"]),
                 "tensors": g["n"],
+                "weights": g["weights"],
                 "values_per_block": block_size,
                 "bits_per_weight": bits,
                 "shape": "; ".join(g["shapes"]),
             }
         )
-    columns = ["role", "format", "layers", "tensors", "values_per_block", "bits_per_weight", "shape"]
+    columns = ["role", "format", "layers", "tensors", "weights", "values_per_block", "bits_per_weight", "shape"]
     return pd.DataFrame(rows, columns=columns)
 
 
-def decoder_bits(path: str | PathLike[str]) -> float:
-    """Mean bits per weight of the 2-D ``blk.*`` tensors (the decoder linears), weighted by element count."""
-    weights = [
-        (int(t.n_elements), _bits(t.tensor_type)[1])
-        for t in _read(path).tensors
-        if _BLOCK.match(t.name) and len(t.shape) == 2
-    ]
-    if not weights:
-        raise ValueError(f"{path}: no 2-D blk.* tensors")
-    return sum(n * b for n, b in weights) / sum(n for n, _ in weights)
+def decoder_bits(table: pd.DataFrame) -> float:
+    """Mean bits per weight of the block tensors of a :func:`source_formats` table (the decoder linears: rows with
+    ``layers``), weighted by their ``weights``."""
+    block = table[table["layers"] != ""]
+    if not len(block):
+        raise ValueError("the table holds no blk.* tensors")
+    return float((block["bits_per_weight"] * block["weights"]).sum() / block["weights"].sum())
 
 
 def shipped_formats(spec: dict) -> tuple[str, pd.DataFrame] | None:
@@ -110,5 +113,5 @@ def shipped_formats(spec: dict) -> tuple[str, pd.DataFrame] | None:
     if spec["source"] not in ("package", "assembled"):
         return None
     path = verified_gguf(spec)
-    line = f"{path.name}: the decoder linears hold {decoder_bits(path):.2f} bits per weight as shipped"
-    return line, source_formats(path)
+    table = source_formats(path)
+    return f"{path.name}: the decoder linears hold {decoder_bits(table):.2f} bits per weight as shipped", table
