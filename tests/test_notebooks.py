@@ -3,6 +3,7 @@
 import json
 
 import nbformat
+import pandas as pd
 import pytest
 
 from niah.config import load_config
@@ -126,3 +127,25 @@ def test_a_resumed_chain_counts_the_interrupted_run_in_its_wall_time(tmp_path, m
     assert 0.5 <= cut < 5 and times["total_with_interrupted"] == pytest.approx(times["total"] + cut, abs=0.11)
     assert json.loads((tmp_path / "smoke" / "timing.json").read_text()) == times
     assert not (tmp_path / "smoke" / "timing_attempt.json").exists()  # the next run starts a fresh count
+
+
+def test_partial_runs_that_run_a_notebook_again_keep_its_earlier_times(tmp_path, monkeypatch):
+    """``--only 00``, then ``--only 00 05`` (a notebook resumed after a code change): the latest time per notebook,
+    and the earlier one kept apart in the total the notebooks cost."""
+    monkeypatch.setattr(
+        "papermill.execute_notebook", lambda src, dst, **_: nbformat.write(nbformat.v4.new_notebook(), dst)
+    )
+    first = reproduce("smoke", only=["00"], run_root=tmp_path, figures_root=tmp_path / "figs")
+    assert set(first) == {"00_environment_check.ipynb", "total"}
+    second = reproduce("smoke", only=["00", "05"], run_root=tmp_path, figures_root=tmp_path / "figs")
+    assert second["earlier_runs_s"] == {"00_environment_check.ipynb": [first["00_environment_check.ipynb"]]}
+    notebooks = {k: v for k, v in second.items() if k.endswith(".ipynb")}
+    assert len(notebooks) == 2 and second["total"] == pytest.approx(sum(notebooks.values()), abs=0.11)
+    assert second["total_with_earlier"] == pytest.approx(second["total"] + first["total"], abs=0.11)
+    from niah.report.summary import _header
+    from niah.rundir import RunDir
+
+    ok = pd.DataFrame([{"model": "m", "git_commit": "c", "time": "t"}])
+    line = _header(RunDir(load_config("smoke"), tmp_path / "smoke"), ok)
+    assert "summed over separate `--only` runs), after earlier runs of the same notebooks (00 " in line
+    assert f"{second['total_with_earlier'] / 60:.1f} min in all" in line

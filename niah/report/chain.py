@@ -62,9 +62,19 @@ def reproduce(
         _execute(nb, out / nb.name, params)
         times[nb.name] = round(time.perf_counter() - t0, 1)
     target = out / ("timing_partial.json" if only else "timing.json")  # a partial rerun never overwrites the chain's
-    if only and target.exists():  # partial runs add up: each notebook's latest time
-        times = {**{k: v for k, v in json.loads(target.read_text()).items() if k != "total"}, **times}
-    times["total"] = round(sum(v for k, v in times.items() if k != "total"), 1)
+    earlier = {}
+    if only and target.exists():  # partial runs add up: each notebook's latest time, its earlier runs kept apart
+        before = json.loads(target.read_text())
+        earlier = before.get("earlier_runs_s", {})
+        for name in set(times) & set(before):  # run again: resuming its rows, or redoing them after a change
+            earlier[name] = [*earlier.get(name, []), before[name]]
+        times = {**{k: v for k, v in before.items() if k.endswith(".ipynb")}, **times}
+    times["total"] = round(sum(times.values()), 1)
+    if earlier:  # what the notebooks cost in all: their earlier runs, then the latest ones
+        times |= {
+            "earlier_runs_s": earlier,
+            "total_with_earlier": round(times["total"] + sum(sum(v) for v in earlier.values()), 1),
+        }
     if interrupted:  # what the chain cost in all: the runs that were cut off, then resumed by this one
         times |= {
             "interrupted_runs_s": interrupted,

@@ -67,6 +67,12 @@ def _header(run: RunDir, ok: pd.DataFrame) -> str:
     how = "" if source == run.timing else ", summed over separate `--only` runs"
     per_nb = ", ".join(f"{k[:2]} {v:.0f} s" for k, v in sorted(timing.items()) if k.endswith(".ipynb"))
     wall = f"{timing['total'] / 60:.1f} min of notebooks ({per_nb}{how})" if timing else "not recorded (no timing.json)"
+    if timing.get("earlier_runs_s"):  # a notebook run again by a later `--only` run (resuming its rows)
+        runs = timing["earlier_runs_s"]
+        which = ", ".join(f"{k[:2]} {' + '.join(f'{t:.0f}' for t in v)} s" for k, v in sorted(runs.items()))
+        wall += (
+            f", after earlier runs of the same notebooks ({which}): {timing['total_with_earlier'] / 60:.1f} min in all"
+        )
     if timing.get("interrupted_runs_s"):
         cut = timing["interrupted_runs_s"]
         wall += (
