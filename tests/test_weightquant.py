@@ -164,6 +164,11 @@ def test_more_bits_follows_llama_cpps_q4_k_m_rule():
     assert sum(more_bits_layer(i, 32) for i in range(32)) == 16
 
 
+def test_more_bits_refuses_autoround():
+    with pytest.raises(ValueError, match="AutoRound codes one width"):
+        Scheme("w4 ar mixed", w_bits=4, group=32, rounding="autoround", more_bits=6)
+
+
 def test_mixed_scheme_stores_more_bits_only_where_the_rule_says(tiny, smoke_cfg):
     model = tiny.model
     mixed = schemes_01(smoke_cfg.weightquant)["w4a16_mixed"]

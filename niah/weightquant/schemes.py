@@ -50,6 +50,12 @@ class Scheme:
     more_bits: int = 0
     iters: int = 0  # AutoRound iterations; 0: the config's weightquant.autoround.iters
 
+    def __post_init__(self):
+        # AutoRound tunes every linear at one width (niah.weightquant.autoround.calibrate); only the RTN codes
+        # (rtn_layers, which AWQ's scaled weights also take) read layer_bits
+        if self.more_bits and self.rounding == "autoround":
+            raise ValueError(f"{self.name}: more_bits needs rounding 'rtn' or 'awq'; AutoRound codes one width")
+
     @property
     def simulated(self) -> bool:
         """Activation quantization has no integer kernel here: it is quantize-dequantize at each layer input."""
