@@ -153,9 +153,14 @@ LEFT_OUT = {  # sections a dry run drops, and why
 
 def shrunk(name: str, settings: dict) -> dict:
     """Section ``name``'s filled ``settings`` as a dry run asks them: each setting through the ``dry`` rule that
-    :mod:`niah.schema` declares for it."""
-    rules = {k: m["dry"] for k, m in SECTIONS[name].settings().items()}
-    return {k: rules[k](v) if rules[k] and v is not None else v for k, v in settings.items()}
+    :mod:`niah.schema` declares for it, an integer kept at or above the setting's ``lowest``."""
+    out, meta = {}, SECTIONS[name].settings()
+    for k, v in settings.items():
+        rule, lowest = meta[k]["dry"], meta[k]["lowest"]
+        out[k] = v if not rule or v is None else rule(v)
+        if isinstance(out[k], int) and not isinstance(out[k], bool):  # a shrunk count stays a valid one
+            out[k] = max(out[k], lowest)
+    return out
 
 
 def dry_config(cfg: Config) -> tuple[dict, list[str]]:
@@ -185,8 +190,12 @@ def write_dry_config(config: str, run_root: Path | None = None) -> tuple[Path, l
     :func:`niah.config.load_config`); return its path and what it left out."""
     loaded = load_config(config)
     cfg, left_out = dry_config(loaded)
-    # a companion config is dry-run too: its own dry config, written beside this one
-    cfg["companions"] = [str(write_dry_config(other.source, run_root)[0]) for other in companion_configs(loaded)]
+    # a companion config is dry-run too: its own dry config, written beside this one, and what it left out
+    cfg["companions"] = []
+    for other in companion_configs(loaded):
+        path, theirs = write_dry_config(other.source, run_root)
+        cfg["companions"].append(str(path))
+        left_out += [f"{other.name} {why}" for why in theirs]
     folder = (run_root or ROOT / "papermill_runs") / cfg["name"]
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "dry-config.yaml"

@@ -247,7 +247,7 @@ class KVPerplexity(Section):
     methods: list[str] = setting(["fp16"], rows=(KVPPL,))  # resolved: the reference, the listed, the breakdown rows
     windows: int = setting(4, dry=at_most(2))  # held-out windows
     context: int = setting(2048, dry=shorter)  # tokens stored by each method
-    continuation: int = setting(256, dry=shorter)  # tokens scored over the stored context
+    continuation: int = setting(256, dry=shorter, lowest=2)  # tokens scored over the stored context
     # per method, rows with only these parts quantized: keys, values, full (layers), sliding (layers)
     breakdown: list[str] = setting([], rows=(KVPPL,))
     breakdown_methods: list[str] = setting(None, rows=(KVPPL,))  # the listed methods that get breakdown rows; None: all
@@ -257,11 +257,6 @@ class KVPerplexity(Section):
         """The reference first, then the listed methods, then the breakdown rows of ``breakdown_methods``.  A listed
         method that already names a part of the same kind (a ``+keys`` method gets no ``+values`` row) gets no row for
         it, and a method that codes one attention layer type only gets no layer-type rows."""
-        if self.continuation < 2 or self.context < 1 or self.windows < 1:
-            raise ConfigError(
-                f"kv_perplexity needs context >= 1, continuation >= 2 and windows >= 1 tokens; got context "
-                f"{self.context}, continuation {self.continuation}, windows {self.windows}"
-            )
         bad = [p for p in self.breakdown if p not in self.BREAKDOWN]
         if bad:
             raise ConfigError(

@@ -46,6 +46,13 @@ def test_the_dry_run_of_a_config_dry_runs_its_companions(tmp_path):
     assert (tmp_path / "quick-dry" / "dry-config.yaml").exists()
 
 
+def test_the_dry_run_names_what_it_left_out_of_a_companion(tmp_path):
+    buddy = _companion(tmp_path, cluster={"address": "auto"})
+    host = load_config(_write(tmp_path / "host.yaml", {"name": "host", **_shipped("smoke"), "companions": [buddy]}))
+    _, left_out = write_dry_config(host.source, tmp_path)
+    assert left_out == ["buddy cluster: (it runs in one process)"]
+
+
 def test_a_companions_battery_and_perplexity_land_in_its_own_run_folder(tmp_path, smoke_with):
     cfg = smoke_with("", companions=[_companion(tmp_path)])
     run = RunDir(cfg, tmp_path / "runs" / "smoke")

@@ -113,6 +113,11 @@ def test_breakdown_rows_quantize_one_part_each(smoke_with, tmp_path):
     assert len(fig.axes[0].patches) == 2 * 5  # 2 methods x (all + 4 parts), a missing part drawn as an empty bar
 
 
+def test_a_continuation_scores_at_least_one_token(smoke_with):
+    with pytest.raises(ConfigError, match="kv_perplexity.continuation must be an integer from 2"):
+        smoke_with("kv_perplexity", continuation=1)
+
+
 def test_breakdown_parts_are_checked(smoke_with):
     with pytest.raises(ConfigError, match="unknown kv_perplexity.breakdown part"):
         smoke_with("kv_perplexity", breakdown=["key"]).kv_perplexity
