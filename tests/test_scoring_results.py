@@ -20,6 +20,10 @@ def test_wilson_interval():
     assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95  # the textbook 8/10 interval: [0.490, 0.943]
     assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
     assert wilson_interval(0, 0) == (0.0, 1.0)
+    for n in range(1, 300):  # the interval always holds the proportion (at n = 100, 1.0 once rounded to 0.99999...)
+        for k in (0, n // 3, n):
+            lo, hi = wilson_interval(k, n)
+            assert lo <= k / n <= hi
 
 
 def test_table_skips_duplicates_and_survives_a_torn_last_line(tmp_path):

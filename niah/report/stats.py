@@ -26,7 +26,8 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the interval holds p exactly; at p = 0 or 1 float rounding can put an end a hair inside it (0.99999... for 1)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def mcnemar_exact(ref_correct, other_correct) -> dict:
