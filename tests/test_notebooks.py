@@ -149,3 +149,18 @@ def test_partial_runs_that_run_a_notebook_again_keep_its_earlier_times(tmp_path,
     line = _header(RunDir(load_config("smoke"), tmp_path / "smoke"), ok)
     assert "summed over separate `--only` runs), after earlier runs of the same notebooks (00 " in line
     assert f"{second['total_with_earlier'] / 60:.1f} min in all" in line
+
+
+def test_a_partial_run_that_fails_keeps_the_times_of_the_notebooks_it_ran(tmp_path, monkeypatch):
+    """``--only 00 05`` with 05 failing: 00's time is in ``timing_partial.json`` all the same."""
+
+    def execute(src, dst, **_):
+        if "05_" in str(src):
+            raise RuntimeError("a plot refused its input")
+        nbformat.write(nbformat.v4.new_notebook(), dst)
+
+    monkeypatch.setattr("papermill.execute_notebook", execute)
+    with pytest.raises(RuntimeError, match="a plot refused"):
+        reproduce("smoke", only=["00", "05"], run_root=tmp_path, figures_root=tmp_path / "figs")
+    kept = json.loads((tmp_path / "smoke" / "timing_partial.json").read_text())
+    assert set(kept) == {"00_environment_check.ipynb", "total"}

@@ -53,22 +53,37 @@ def reproduce(
     out.mkdir(parents=True, exist_ok=True)
     params = {"config": config, "run_dir": str(out), "figures_dir": str((figures_root or ROOT / "figures") / name)}
     interrupted = [] if only else _interrupted_runs(out)
-    times = {}
+    target = out / ("timing_partial.json" if only else "timing.json")  # a partial rerun never overwrites the chain's
+    before = json.loads(target.read_text()) if only and target.exists() else {}
+    times, run = {}, {}
     for nb in chain():
         if only and not any(nb.name.startswith(o) for o in only):
             continue
         print(f"[reproduce {config}] {nb.name}", flush=True)
         t0 = time.perf_counter()
         _execute(nb, out / nb.name, params)
-        times[nb.name] = round(time.perf_counter() - t0, 1)
-    target = out / ("timing_partial.json" if only else "timing.json")  # a partial rerun never overwrites the chain's
-    earlier = {}
-    if only and target.exists():  # partial runs add up: each notebook's latest time, its earlier runs kept apart
-        before = json.loads(target.read_text())
-        earlier = before.get("earlier_runs_s", {})
-        for name in set(times) & set(before):  # run again: resuming its rows, or redoing them after a change
-            earlier[name] = [*earlier.get(name, []), before[name]]
-        times = {**{k: v for k, v in before.items() if k.endswith(".ipynb")}, **times}
+        run[nb.name] = round(time.perf_counter() - t0, 1)
+        times = _timing(run, before, interrupted)
+        if only:  # written after each notebook, so a later notebook's failure keeps the times of those that ran
+            target.write_text(json.dumps(times, indent=1))
+    target.write_text(json.dumps(times, indent=1))
+    if not only:
+        (out / ATTEMPT).unlink(missing_ok=True)
+        try:
+            (out / "summary.md").write_text(summary_markdown(cfg, out), encoding="utf-8")
+        except NoResults as err:
+            print(f"[reproduce {config}] no summary.md: {err}", flush=True)
+    print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)
+    return times
+
+
+def _timing(run: dict, before: dict, interrupted: list[float]) -> dict:
+    """The timing record of this run's notebook seconds ``run``: on top of ``before`` (the partial runs' record so
+    far; a notebook run again keeps its earlier times apart) and after the ``interrupted`` runs it resumed."""
+    earlier = dict(before.get("earlier_runs_s", {}))
+    for name in set(run) & set(before):  # run again: resuming its rows, or redoing them after a change
+        earlier[name] = [*earlier.get(name, []), before[name]]
+    times = {**{k: v for k, v in before.items() if k.endswith(".ipynb")}, **run}
     times["total"] = round(sum(times.values()), 1)
     if earlier:  # what the notebooks cost in all: their earlier runs, then the latest ones
         times |= {
@@ -80,14 +95,6 @@ def reproduce(
             "interrupted_runs_s": interrupted,
             "total_with_interrupted": round(times["total"] + sum(interrupted), 1),
         }
-    target.write_text(json.dumps(times, indent=1))
-    if not only:
-        (out / ATTEMPT).unlink(missing_ok=True)
-        try:
-            (out / "summary.md").write_text(summary_markdown(cfg, out), encoding="utf-8")
-        except NoResults as err:
-            print(f"[reproduce {config}] no summary.md: {err}", flush=True)
-    print(f"[reproduce {config}] done in {times['total']} s; executed notebooks in {out}", flush=True)
     return times
 
 
