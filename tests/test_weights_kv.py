@@ -120,7 +120,7 @@ def test_the_weights_cells_ask_every_kv_method_whatever_the_batterys_method_leng
     assert cfg.battery.method_lengths and needle_battery(cfg).method_lengths == {}
 
 
-def test_autoround_at_its_default_iterations_is_its_own_row_with_fp16_cells_paired_with_fp32(
+def test_autoround_at_its_default_iterations_is_its_own_row_with_every_caches_cells_paired_with_fp32(
     tmp_path, smoke_with, tiny, monkeypatch
 ):
     """``make autoround-200``: a scheme apart from the chain's, its calibration keyed by its own iterations."""
@@ -139,12 +139,12 @@ def test_autoround_at_its_default_iterations_is_its_own_row_with_fp16_cells_pair
     assert "make autoround-200" in s.autoround_default()  # not measured yet: the sentence, not a table
     sch = schemes.autoround_default(cfg.weightquant)
     assert sch.iters == schemes.AUTOROUND_DEFAULT_ITERS and sch.group == cfg.weightquant.block_group
-    s.evaluate([schemes.Scheme("fp32")], needle={"fp32": ["fp16"]})
+    s.evaluate([schemes.Scheme("fp32")], needle={"fp32": ["fp16", "q4_0"]})
     rows = s.autoround_default(run=True)
     assert list(rows["scheme"]) == [sch.name] and rows["iters"].iloc[0] == schemes.AUTOROUND_DEFAULT_ITERS
     assert calls == [schemes.AUTOROUND_DEFAULT_ITERS], "calibrated once, with its own iterations, not the config's"
     cells = pd.DataFrame(read_rows(RunDir(cfg, tmp_path).file("weightquant_needles")))
-    assert set(cells[cells["weights"] == sch.name]["method"]) == {"fp16"}
+    assert set(cells[cells["weights"] == sch.name]["method"]) == {"fp16", "q4_0"}  # the interaction takes it
     assert len(s.autoround_default()) == 1 and len(s.autoround_default(run=True)) == 1 and len(calls) == 1
     text = "\n".join(_weights_parts(cfg, RunDir(cfg, tmp_path)))  # the summary's scheme table holds its row
     assert "**Weight schemes**" in text and f"| {sch.name}" in text and "source file's formats" not in text

@@ -36,7 +36,6 @@ from .needle import needle_battery, run_needles, usable_methods
 from .quant import fake_quant_weight
 from .salience import collect_inputs, decoder_linears, kurtosis, shared_inputs, uncoded_weights
 from .schemes import (
-    REF_METHOD,
     QuantizedModel,
     Scheme,
     autoround_default,
@@ -172,12 +171,13 @@ class Study:
         return pd.DataFrame(rows)
 
     def autoround_default(self, run: bool = False) -> pd.DataFrame | str:
-        """The row of :func:`~niah.weightquant.schemes.autoround_default` (its needle cells with the fp16 cache only,
-        paired with fp32's), measured first when ``run`` (``make autoround-200``); without ``run``, the row if it was
-        measured in this run folder, else a sentence saying how to measure it."""
+        """The row of :func:`~niah.weightquant.schemes.autoround_default` (its needle cells with every cache of
+        ``kv_methods``, paired with fp32's, so the interaction table takes it), measured first when ``run`` (``make
+        autoround-200``; a row measured before resumes its missing cells); without ``run``, the row if it was measured
+        in this run folder, else a sentence saying how to measure it."""
         sch = autoround_default(self.s)
         if run:
-            return self.evaluate([sch], needle={sch.name: [REF_METHOD]})
+            return self.evaluate([sch], needle={sch.name: self.s.kv_methods})
         rows = self.rows([sch.name])
         if len(rows):
             return rows
