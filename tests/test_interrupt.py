@@ -11,9 +11,12 @@ import pytest
 from niah.config import ROOT
 
 # `niah reproduce --config smoke` with its run and figures folders under the test's tmp_path (the CLI has no option
-# for them), so that an existing papermill_runs/smoke/ is never touched
+# for them), so that an existing papermill_runs/smoke/ is never touched; and with Ctrl-C's handler as in a terminal:
+# a test run started as a shell's background job (`nohup ... &`, as CI scripts are) inherits SIGINT ignored, and the
+# interrupt below would be ignored with it
 DRIVER = """
-import functools, pathlib, sys
+import functools, pathlib, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import niah.report.chain
 root = pathlib.Path(sys.argv[1])
 niah.report.chain.reproduce = functools.partial(
