@@ -66,8 +66,8 @@ def reproduce(
         times = _timing(run, before, interrupted)
         if only:  # written after each notebook, so a later notebook's failure keeps the times of those that ran
             target.write_text(json.dumps(times, indent=1))
-    target.write_text(json.dumps(times, indent=1))
-    if not only:
+    if not only:  # a full chain's timing.json is written once it has run to the end
+        target.write_text(json.dumps(times, indent=1))
         (out / ATTEMPT).unlink(missing_ok=True)
         try:
             (out / "summary.md").write_text(summary_markdown(cfg, out), encoding="utf-8")
